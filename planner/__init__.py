@@ -1,0 +1,2 @@
+"""Memory and time planning of TraceGraph blocks: operator order, rematerialisation,
+offloading and arena addresses (DESIGN.md §2). Not implemented yet."""

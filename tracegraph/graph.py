@@ -1,0 +1,622 @@
+"""The TraceGraph: every observed path of a step in one DAG (Terra §3.2.2).
+
+Nodes are ops, plus a ``start`` and an ``end`` node per region, plus loop nodes whose body is a
+region of its own. Merging a trace walks it from ``start``: each op is looked up among the
+children of the latest matched node; on a miss the trace branches, and it merges back into an
+existing node with an equal key where that keeps the graph acyclic.
+
+Two ops are equal when their :class:`OpKey` s are equal *and* their inputs come from the same
+places (:data:`Source`), so an op reading another value at the same line is another node. Where
+branches merge back, an input may come from one of several producers, like a phi: each input of
+a node holds its *alternatives*, and the one that applies on a path is the alternative executed
+most recently (in the current loop iteration), an external feed counting as executed first.
+Matching checks that rule against the trace, so a covered trace always resolves to its real
+dataflow. Inside a loop body a value from outside the current iteration (carried from the
+previous iteration, or from before the loop) is an ``ENTER`` source, so iterations merge.
+
+Values that vary between steps become fed inputs instead of new branches (DESIGN.md §3): a
+numeric argument that differs while the output metadata stays the same is *promoted* on the
+node (matched as a wildcard from then on), and likewise the output index of a source.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import Any
+
+from .location import CODES
+from .schema import FED, TensorMeta, is_number_like, schema_of
+from .structure import Loop, LoopKey
+from .trace import Fetch, OpKey, OpRecord, Trace
+
+Source = tuple  # ("ext",) | ("enter",) | ("node", node_id, output) | ("loop", loop_id, loc, output)
+EXT: Source = ("ext",)
+ENTER: Source = ("enter",)
+ANY_OUTPUT = -1  # output index of a promoted source: any output of the producer
+
+START, END, OP, LOOP, LABEL = "start", "end", "op", "loop", "label"
+
+
+class IncompleteTraceError(ValueError):
+    """The trace did not come from a step that finished: it cannot be merged."""
+
+
+class Node:
+    """A node of a :class:`Region`."""
+
+    __slots__ = (
+        "id", "kind", "region", "key", "sources", "promoted", "out_metas", "body", "trips",
+        "visits", "fetches", "enter_sources", "label",
+    )  # fmt: skip
+
+    def __init__(self, nid: int, kind: str, region: "Region", key: Any = None) -> None:
+        self.id = nid
+        self.kind = kind
+        self.region = region
+        self.key = key  # OpKey (op), LoopKey (loop), label (hand-built)
+        self.sources: tuple[tuple[Source, ...], ...] = ()  # per input: its alternatives
+        self.promoted: frozenset[int] = frozenset()  # attribute positions that are fed
+        self.out_metas: tuple[TensorMeta, ...] = ()
+        self.body: Region | None = None  # loop nodes
+        self.trips: Counter[int] = Counter()  # loop nodes: trip count -> executions seen
+        self.visits = 0
+        self.fetches: set[tuple[str, Source | None]] = set()  # Python reads right after it
+        self.enter_sources: dict[int, set[tuple]] = {}  # input -> where ENTER values came from
+        self.label: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.kind == OP:
+            return schema_of(self.key.func).name
+        if self.kind == LOOP:
+            return "loop"
+        if self.kind == LABEL:
+            return str(self.label)
+        return self.kind
+
+    @property
+    def location(self) -> str:
+        if self.kind == OP:
+            return CODES.describe(self.key.loc)
+        if self.kind == LOOP:
+            prefix, cid, header = self.key
+            return CODES.describe(prefix + ((cid, header),))
+        return ""
+
+    @property
+    def feeds(self) -> int:
+        """Inputs this node reads from outside the graph: external tensors, fed values."""
+        return sum(EXT in alts for alts in self.sources) + len(self.promoted)
+
+    def __repr__(self) -> str:
+        where = f" at {self.location}" if self.kind in (OP, LOOP) else ""
+        return f"<{self.kind} #{self.id} {self.name}{where}>"
+
+
+class Region:
+    """A DAG with a unique ``start`` and ``end``: the top level of a TraceGraph or a loop body."""
+
+    def __init__(self, graph: "TraceGraph", owner: Node | None = None) -> None:
+        self.graph = graph
+        self.owner = owner
+        self.start = graph._new_node(START, self)
+        self.end = graph._new_node(END, self)
+        self.nodes: list[Node] = []  # without start and end, in creation order
+        self.succ: dict[Node, list[Node]] = {self.start: [], self.end: []}
+        self.pred: dict[Node, list[Node]] = {self.start: [], self.end: []}
+        self.index: dict[Hashable, list[Node]] = {}  # match index -> nodes (for merging back)
+
+    def edges(self) -> list[tuple[Node, Node]]:
+        return [(u, v) for u in [self.start, *self.nodes] for v in self.succ[u]]
+
+    def reaches(self, a: Node, b: Node) -> bool:
+        """Is there a path from ``a`` to ``b``?"""
+        seen, stack = {a}, [a]
+        while stack:
+            u = stack.pop()
+            if u is b:
+                return True
+            for v in self.succ[u]:
+                if v not in seen:
+                    seen.add(v)
+                    stack.append(v)
+        return False
+
+    def switch_cases(self) -> list["SwitchCase"]:
+        """Terra Algorithm 1 on this region (loop nodes count as single nodes)."""
+        from .cases import assign_cases
+
+        return assign_cases(self)
+
+    def walk(self) -> Iterator[Node]:
+        """Every node of this region and, depth first, of the loop bodies inside it."""
+        for n in self.nodes:
+            yield n
+            if n.body is not None:
+                yield from n.body.walk()
+
+
+def _index_key(key: OpKey) -> OpKey:
+    """The op key with every promotable argument erased: finds nodes that differ only there."""
+    prom = schema_of(key.func).promotable
+    if not prom:
+        return key
+    attrs = list(key.attrs)
+    for p in prom:
+        if is_number_like(attrs[p]):
+            attrs[p] = FED
+    return key.with_attrs(tuple(attrs))
+
+
+class TraceGraph:
+    """All observed executions of a step, merged (see the module docstring).
+
+    >>> graph = TraceGraph()
+    >>> with record() as trace:
+    ...     train_step()
+    >>> graph.merge(trace)        # True: the trace added nodes or edges
+    >>> graph.covers(trace)       # True: the trace is a path of the graph
+    >>> graph.switch_cases()      # Terra Algorithm 1
+    """
+
+    def __init__(self) -> None:
+        self._next_id = 0
+        self._by_id: dict[int, Node] = {}
+        self.root = Region(self)
+        self.traces = 0  # traces merged
+
+    def _new_node(self, kind: str, region: Region, key: Any = None) -> Node:
+        node = Node(self._next_id, kind, region, key)
+        self._by_id[node.id] = node
+        self._next_id += 1
+        return node
+
+    def node(self, nid: int) -> Node:
+        """The node with id ``nid`` (ids are unique across loop bodies)."""
+        return self._by_id[nid]
+
+    # -- public API -----------------------------------------------------------------------
+    def merge(self, trace: Trace) -> bool:
+        """Add ``trace`` to the graph; True when it added nodes or edges or generalised a node.
+
+        All or nothing: if merging fails part way, the graph is left exactly as it was.
+        """
+        _check_trace(trace, "merge")
+        walk = _Walk(self, trace, mutate=True)
+        try:
+            walk.run()
+        except BaseException:
+            walk.rollback()
+            raise
+        self.traces += 1
+        return walk.changed
+
+    def covers(self, trace: Trace) -> bool:
+        """True when ``trace`` is a path of the graph, with no new node, edge or feed."""
+        _check_trace(trace, "check")
+        try:
+            _Walk(self, trace, mutate=False).run()
+        except _NotCovered:
+            return False
+        return True
+
+    def switch_cases(self) -> list["SwitchCase"]:
+        """The ordered switch-cases of the top level (Terra Algorithm 1). Loop nodes are single
+        nodes here; ``loop_node.body.switch_cases()`` gives those of a loop body."""
+        return self.root.switch_cases()
+
+    def nodes(self) -> list[Node]:
+        """Every op and loop node, loop bodies included."""
+        return list(self.root.walk())
+
+    def regions(self) -> list[Region]:
+        return [self.root] + [n.body for n in self.root.walk() if n.body is not None]
+
+    def to_dot(self) -> str:
+        from .dot import to_dot
+
+        return to_dot(self)
+
+    def stats(self) -> dict[str, int]:
+        """Sizes for a summary: node, edge, loop, block and switch counts, feeds, fetches."""
+        nodes = self.nodes()
+        blocks = switches = 0
+        for region in self.regions():
+            for sc in region.switch_cases():
+                blocks += sum(1 for c in sc.cases if c.block)
+                switches += sc.is_switch
+        return {
+            "traces": self.traces,
+            "nodes": sum(n.kind in (OP, LABEL) for n in nodes),
+            "loops": sum(n.kind == LOOP for n in nodes),
+            "edges": sum(len(r.edges()) for r in self.regions()),
+            "blocks": blocks,
+            "switches": switches,
+            "feeds": sum(n.feeds for n in nodes),
+            "fetches": sum(len(n.fetches) for n in nodes)
+            + sum(len(r.start.fetches) for r in self.regions())
+            + sum(n.kind == OP and _returns_python(n) for n in nodes),
+        }
+
+    @classmethod
+    def from_edges(cls, edges: Iterable[tuple[Hashable, Hashable]]) -> "TraceGraph":
+        """A hand-built graph (for tests and examples): ``"start"`` and ``"end"`` name the
+        special nodes; every other name becomes a labelled node."""
+        g = cls()
+        r = g.root
+        by_label: dict[Hashable, Node] = {"start": r.start, "end": r.end}
+        for u, v in edges:
+            for x in (u, v):
+                if x not in by_label:
+                    n = g._new_node(LABEL, r, x)
+                    n.label = x
+                    by_label[x] = n
+                    r.nodes.append(n)
+                    r.succ[n], r.pred[n] = [], []
+            a, b = by_label[u], by_label[v]
+            if b not in r.succ[a]:
+                r.succ[a].append(b)
+                r.pred[b].append(a)
+        for n in r.nodes:
+            if not r.pred[n] or not r.succ[n]:
+                raise ValueError(f"node {n.label!r} is not on a path from start to end")
+        return g
+
+    def node_by_label(self, label: Hashable) -> Node:
+        for n in self.root.nodes:
+            if n.label == label:
+                return n
+        raise KeyError(label)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"<TraceGraph: {s['traces']} traces, {s['nodes']} op nodes, {s['loops']} loops, "
+            f"{s['blocks']} blocks, {s['switches']} switches>"
+        )
+
+
+def _returns_python(n: Node) -> bool:
+    return bool(schema_of(n.key.func).data_dependent)
+
+
+def _check_trace(trace: Any, verb: str) -> None:
+    if not isinstance(trace, Trace):
+        raise TypeError(f"expected a tracegraph.Trace, got {type(trace).__name__}")
+    if trace.status == "recording":
+        raise IncompleteTraceError(f"cannot {verb} a trace that is still being recorded")
+    if trace.status == "failed":
+        raise IncompleteTraceError(
+            f"cannot {verb} the trace of a step that raised "
+            f"{type(trace.error).__name__}: {trace.error}; it holds only part of the step"
+        )
+
+
+class _NotCovered(Exception):
+    pass
+
+
+Ctx = tuple  # ((loop node id, instance, iteration), ...) outermost first
+
+
+def _producer(src: Source) -> int | None:
+    """The node whose execution makes ``src`` available (None for feeds and ENTER)."""
+    return src[1] if src[0] in ("node", "loop") else None
+
+
+def _source_matches(alt: Source, src: Source) -> bool:
+    if alt == src:
+        return True
+    return alt[0] == "node" and alt[2] == ANY_OUTPUT and src[0] == "node" and src[1] == alt[1]
+
+
+class _Walk:
+    """One pass of a trace over the graph: merging (``mutate``) or checking coverage.
+
+    Every change goes through a method that logs its undo, so a failed merge rolls back.
+    """
+
+    def __init__(self, graph: TraceGraph, trace: Trace, mutate: bool) -> None:
+        self.g = graph
+        self.t = trace
+        self.mutate = mutate
+        self.changed = False
+        self.placed: dict[int, tuple[Node, Ctx]] = {}  # op index -> node and context
+        self.last: dict[int, tuple[Ctx, int]] = {}  # node id -> context, serial of last run
+        self.serial = 0
+        self.instances = 0
+        self._undo: list[Callable[[], None]] = []
+        self._first_id = graph._next_id
+
+    def run(self) -> None:
+        self.seq(self.g.root, self.t.items, ())
+
+    def rollback(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        for nid in range(self._first_id, self.g._next_id):
+            self.g._by_id.pop(nid, None)
+        self.g._next_id = self._first_id
+
+    # -- walking --------------------------------------------------------------------------
+    def seq(self, region: Region, items: list, ctx: Ctx) -> None:
+        cur = region.start
+        for item in items:
+            if isinstance(item, int):
+                nxt = self.op(region, cur, self.t.ops[item], ctx)
+            elif isinstance(item, Loop):
+                nxt = self.loop(region, cur, item, ctx)
+            else:
+                self.fetch(cur, item, ctx)
+                continue
+            self.edge(region, cur, nxt)
+            cur = nxt
+        self.edge(region, cur, region.end)
+
+    def op(self, region: Region, cur: Node, rec: OpRecord, ctx: Ctx) -> Node:
+        srcs = tuple(self.source(v, ctx) for v in rec.inputs)
+        children = region.succ[cur]
+        for child in children:
+            if child.kind == OP and self.same(child, rec.key, srcs, ctx):
+                return self.visit(child, rec, ctx)
+        if not self.mutate:
+            raise _NotCovered
+        out_metas = tuple(self.t.values[v].meta for v in rec.outputs)
+        for child in children:
+            if child.kind == OP and self.generalize(child, rec.key, srcs, out_metas, ctx, True):
+                return self.visit(child, rec, ctx)
+        for cand in region.index.get(_index_key(rec.key), ()):
+            if cand in children or region.reaches(cand, cur):
+                continue  # merging back there would make a cycle
+            if self.same(cand, rec.key, srcs, ctx) or self.generalize(
+                cand, rec.key, srcs, out_metas, ctx, False
+            ):
+                return self.visit(cand, rec, ctx)
+        node = self.add_node(region, OP, rec.key, _index_key(rec.key))
+        node.sources = tuple((s,) for s in srcs)
+        node.out_metas = out_metas
+        return self.visit(node, rec, ctx)
+
+    def loop(self, region: Region, cur: Node, item: Loop, ctx: Ctx) -> Node:
+        children = region.succ[cur]
+        node = next((c for c in children if c.kind == LOOP and c.key == item.key), None)
+        if node is None:
+            if not self.mutate:
+                raise _NotCovered
+            for cand in region.index.get(item.key, ()):
+                if cand not in children and not region.reaches(cand, cur):
+                    node = cand
+                    break
+            else:
+                node = self.add_node(region, LOOP, item.key, item.key)
+                node.body = Region(self.g, node)
+        self.instances += 1
+        inst = self.instances
+        for k, iteration in enumerate(item.iterations):
+            self.seq(node.body, iteration, ctx + ((node.id, inst, k),))
+        if self.mutate:
+            self.bump(node.trips, item.trips)
+            self.bump_visits(node)
+        self.ran(node, ctx)
+        return node
+
+    def fetch(self, cur: Node, item: Fetch, ctx: Ctx) -> None:
+        if not self.mutate:
+            return
+        src = self.source(item.vid, ctx) if item.vid is not None else None
+        entry = (item.kind, src)
+        if entry not in cur.fetches:
+            cur.fetches.add(entry)
+            self._undo.append(lambda: cur.fetches.discard(entry))
+
+    def source(self, vid: int, ctx: Ctx) -> Source:
+        value = self.t.values[vid]
+        if value.producer is None:
+            return ENTER if ctx else EXT
+        node, pctx = self.placed[value.producer]
+        depth = len(ctx)
+        if pctx[:depth] != ctx:
+            return ENTER
+        if len(pctx) == depth:
+            return ("node", node.id, value.out_index)
+        # made inside a loop nested here: name it by the loop and the op's location, not the
+        # body node, so paths through the body that end differently still merge after it
+        return ("loop", pctx[depth][0], node.key.loc, value.out_index)
+
+    def visit(self, node: Node, rec: OpRecord, ctx: Ctx) -> Node:
+        self.placed[rec.index] = (node, ctx)
+        if self.mutate:
+            self.bump_visits(node)
+            if ctx:
+                self.note_enter_sources(node, rec, ctx)
+        self.ran(node, ctx)
+        return node
+
+    def ran(self, node: Node, ctx: Ctx) -> None:
+        self.serial += 1
+        self.last[node.id] = (ctx, self.serial)
+
+    # -- matching -------------------------------------------------------------------------
+    def when(self, src: Source, ctx: Ctx) -> int | None:
+        """When ``src`` became available in the current scope: -1 for a feed, the serial of
+        its producer's last run, or None if the producer has not run in this scope."""
+        if src == EXT:
+            return -1
+        pid = _producer(src)
+        if pid is None:
+            return None
+        seen = self.last.get(pid)
+        if seen is None or seen[0][: len(ctx)] != ctx:
+            return None
+        return seen[1]
+
+    def resolves(self, alts: tuple[Source, ...], src: Source, ctx: Ctx) -> bool:
+        """Does the node's rule (the latest-run alternative) pick ``src`` on this trace?"""
+        if not any(_source_matches(a, src) for a in alts):
+            return False
+        if len(alts) == 1:
+            return True
+        t = self.when(src, ctx)
+        if t is None:
+            return False
+        for a in alts:
+            if not _source_matches(a, src):
+                ta = self.when(a, ctx)
+                if ta is not None and ta >= t:
+                    return False
+        return True
+
+    def same(self, node: Node, key: OpKey, srcs: tuple, ctx: Ctx) -> bool:
+        """Does the op match ``node`` as it is (promoted arguments are wildcards)?"""
+        if node.promoted:
+            attrs = list(key.attrs)
+            for p in node.promoted:
+                attrs[p] = node.key.attrs[p]
+            key = key.with_attrs(tuple(attrs))
+        if node.key != key or len(node.sources) != len(srcs):
+            return False
+        return all(self.resolves(alts, s, ctx) for alts, s in zip(node.sources, srcs))
+
+    def can_add(self, node: Node, alts: tuple, src: Source, ctx: Ctx) -> bool:
+        """May ``src`` join an input's alternatives? The rule must pick it on this trace, and
+        it must not change what earlier traces resolved to: its producer is new in this merge,
+        or no existing alternative can run before it on a path."""
+        kinds = ("node", "loop", "ext")
+        if src[0] not in kinds or any(a[0] not in kinds for a in alts):
+            return False
+        if not self.resolves(alts + (src,), src, ctx):
+            return False
+        pid = _producer(src)
+        if pid is None or pid >= self._first_id:
+            return True
+        if EXT in alts:
+            return False
+        target = self.g.node(pid)
+        return not any(
+            (q := _producer(a)) is not None and node.region.reaches(self.g.node(q), target)
+            for a in alts
+        )
+
+    # -- changes (each logs its undo) -----------------------------------------------------
+    def add_node(self, region: Region, kind: str, key: Any, index_key: Hashable) -> Node:
+        node = self.g._new_node(kind, region, key)
+        region.nodes.append(node)
+        region.succ[node], region.pred[node] = [], []
+        region.index.setdefault(index_key, []).append(node)
+        self.changed = True
+
+        def undo() -> None:
+            region.nodes.remove(node)
+            del region.succ[node], region.pred[node]
+            bucket = region.index[index_key]
+            bucket.remove(node)
+            if not bucket:
+                del region.index[index_key]
+
+        self._undo.append(undo)
+        return node
+
+    def edge(self, region: Region, u: Node, v: Node) -> None:
+        if v in region.succ[u]:
+            return
+        if not self.mutate:
+            raise _NotCovered
+        region.succ[u].append(v)
+        region.pred[v].append(u)
+        self.changed = True
+
+        def undo() -> None:
+            region.succ[u].remove(v)
+            region.pred[v].remove(u)
+
+        self._undo.append(undo)
+
+    def generalize(
+        self, node: Node, key: OpKey, srcs: tuple, out_metas: tuple, ctx: Ctx, promote: bool
+    ) -> bool:
+        """Match ``node`` by making it more general: numeric arguments that differ become fed
+        (``promote``), a source's output index becomes any output, or a new producer joins an
+        input's alternatives. Allowed only where the outputs keep their metadata, so nothing
+        downstream changes."""
+        if node.out_metas != out_metas or _index_key(node.key) != _index_key(key):
+            return False
+        if len(node.sources) != len(srcs):
+            return False
+        promoted = set(node.promoted)
+        for p in schema_of(key.func).promotable:
+            a, b = node.key.attrs[p], key.attrs[p]
+            if p not in promoted and a != b:
+                if not (promote and is_number_like(a) and is_number_like(b)):
+                    return False
+                promoted.add(p)
+        new_sources = list(node.sources)
+        for i, (alts, s) in enumerate(zip(node.sources, srcs)):
+            if self.resolves(alts, s, ctx):
+                continue
+            if any(_source_matches(a, s) for a in alts):
+                return False  # known, but the rule picks another alternative here
+            only = alts[0]
+            if len(alts) == 1 and only[0] == s[0] == "node" and only[1] == s[1]:
+                new_sources[i] = (("node", s[1], ANY_OUTPUT),)
+            elif self.can_add(node, alts, s, ctx):
+                new_sources[i] = alts + (s,)
+            else:
+                return False
+        old = (node.promoted, node.sources)
+        node.promoted = frozenset(promoted)
+        node.sources = tuple(new_sources)
+        self.changed = True
+
+        def undo() -> None:
+            node.promoted, node.sources = old
+
+        self._undo.append(undo)
+        return True
+
+    def bump(self, counter: Counter, key: Any) -> None:
+        counter[key] += 1
+
+        def undo() -> None:
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]
+
+        self._undo.append(undo)
+
+    def bump_visits(self, node: Node) -> None:
+        node.visits += 1
+
+        def undo() -> None:
+            node.visits -= 1
+
+        self._undo.append(undo)
+
+    def note_enter_sources(self, node: Node, rec: OpRecord, ctx: Ctx) -> None:
+        """Remember where each ENTER input came from: lowering a loop needs the carried
+        dataflow (``("back", level, distance, node, output)`` or ``("outer", node, output)``)."""
+        for i, vid in enumerate(rec.inputs):
+            if node.sources[i] != (ENTER,):
+                continue
+            desc = self.describe_enter(vid, ctx)
+            bucket = node.enter_sources.setdefault(i, set())
+            if desc not in bucket:
+                bucket.add(desc)
+                self._undo.append(lambda b=bucket, d=desc: b.discard(d))
+
+    def describe_enter(self, vid: int, ctx: Ctx) -> tuple:
+        value = self.t.values[vid]
+        if value.producer is None:
+            return ("outer", "ext")
+        pnode, pctx = self.placed[value.producer]
+        for level, (loop_id, inst, it) in enumerate(ctx):
+            if level < len(pctx) and pctx[level][:2] == (loop_id, inst):
+                if pctx[level][2] != it:
+                    return ("back", level, it - pctx[level][2], pnode.id, value.out_index)
+                continue
+            return ("outer", pnode.id, value.out_index)
+        return ("outer", pnode.id, value.out_index)  # pragma: no cover - same iteration
+
+
+from .cases import SwitchCase  # noqa: E402  (cases imports Node/Region types from here)

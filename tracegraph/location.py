@@ -1,0 +1,190 @@
+"""Executed locations: where in the user's program an op ran.
+
+Terra identifies an op by its call-id stack and loop-id stack. The Python analogue used here is
+a *location*: the tuple of frames ``(code_id, offset)`` from the frame that opened the recording
+down to the call that issued the op. Every iteration of a loop runs the same instructions, so
+its iterations have equal locations; loops themselves are found statically in the bytecode
+(:func:`loops_at`), and iteration boundaries from the order of offsets (see ``structure.py``).
+
+Negative code ids are pseudo-frames the recorder appends: the index of an ATen op inside one
+torch-level call, the start of the backward region, and so on.
+"""
+
+from __future__ import annotations
+
+import dis
+import os
+import sys
+import types
+from bisect import bisect_right
+
+Frame = tuple[int, int]
+Location = tuple[Frame, ...]
+
+# Pseudo code ids (negative so they never collide with real code ids, which start at 1).
+SUB = -1  # index of an ATen op within one torch-level call
+BWD = -2  # the backward region starts; the forward location follows, with offsets negated
+BSUB = -3  # index of an ATen op within one autograd node
+ACC = -4  # gradient accumulation into a leaf tensor
+UNKNOWN = -5  # an autograd node created outside the recording
+
+PSEUDO_NAMES = {SUB: "op", BWD: "backward", BSUB: "grad-op", ACC: "accumulate", UNKNOWN: "?"}
+
+_SKIP = 0  # code id of frames that are plumbing (ours, torch's mode dispatch), left out
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_root = os.path.dirname(_here)
+_SKIP_PREFIXES = tuple(os.path.join(_root, pkg) + os.sep for pkg in ("tracegraph", "coexec"))
+
+
+def _torch_plumbing_files() -> frozenset[str]:
+    import torch
+
+    base = os.path.dirname(os.path.abspath(torch.__file__))
+    rel = ("overrides.py", "_ops.py", os.path.join("utils", "_python_dispatch.py"))
+    return frozenset(os.path.join(base, r) for r in rel)
+
+
+class CodeTable:
+    """Process-wide registry of code objects seen in locations.
+
+    Ids are small ints so locations hash fast; the table keeps each code object alive, so an id
+    is never reused for another function within the process.
+    """
+
+    def __init__(self) -> None:
+        self._by_addr: dict[int, int] = {}
+        self._codes: list[types.CodeType | None] = [None]  # id 0 = skipped plumbing
+        self._loops: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._loops_at: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+        self._lines: dict[int, tuple[list[int], list[int]]] = {}
+        self._plumbing: frozenset[str] | None = None
+
+    def code_id(self, code: types.CodeType) -> int:
+        cid = self._by_addr.get(id(code))
+        if cid is None:
+            cid = self._register(code)
+        return cid
+
+    def _register(self, code: types.CodeType) -> int:
+        if self._plumbing is None:
+            self._plumbing = _torch_plumbing_files()
+        fname = os.path.abspath(code.co_filename)
+        if fname.startswith(_SKIP_PREFIXES) or fname in self._plumbing:
+            cid = _SKIP
+        else:
+            cid = len(self._codes)
+        self._codes.append(code)  # keep it alive so id(code) stays unique
+        if cid != _SKIP:
+            self._codes[cid] = code
+        self._by_addr[id(code)] = cid
+        return cid
+
+    def code(self, cid: int) -> types.CodeType | None:
+        return self._codes[cid] if cid > 0 else None
+
+    def capture(self, frame: types.FrameType | None, base: types.FrameType | None) -> Location:
+        """The location of ``frame``: its stack up to and including ``base``, outermost first."""
+        out: list[Frame] = []
+        by_addr = self._by_addr
+        f = frame
+        while f is not None:
+            code = f.f_code
+            cid = by_addr.get(id(code))
+            if cid is None:
+                cid = self._register(code)
+            if cid:
+                out.append((cid, f.f_lasti))
+            if f is base:
+                break
+            f = f.f_back
+        out.reverse()
+        return tuple(out)
+
+    # -- loops ----------------------------------------------------------------------------
+    def loops(self, cid: int) -> tuple[tuple[int, int], ...]:
+        """Static loops of a code object as ``(header, last)`` offset ranges.
+
+        A loop is the target of a backward jump; its body spans the target up to the last jump
+        back to it (``continue`` adds more jumps to the same header).
+        """
+        found = self._loops.get(cid)
+        if found is None:
+            ends: dict[int, int] = {}
+            code = self.code(cid)
+            if code is not None:
+                jumps = set(dis.hasjrel) | set(dis.hasjabs)
+                for ins in dis.get_instructions(code):
+                    if ins.opcode in jumps and isinstance(ins.argval, int) and ins.argval <= ins.offset:
+                        ends[ins.argval] = max(ends.get(ins.argval, -1), ins.offset)
+            found = tuple(sorted(ends.items()))
+            self._loops[cid] = found
+        return found
+
+    def loops_at(self, cid: int, offset: int) -> tuple[tuple[int, int], ...]:
+        """Loops of code ``cid`` whose body contains ``offset``, outermost first."""
+        key = (cid, offset)
+        found = self._loops_at.get(key)
+        if found is None:
+            inside = [lp for lp in self.loops(cid) if lp[0] <= offset <= lp[1]]
+            inside.sort(key=lambda lp: (lp[0], -lp[1]))
+            found = tuple(inside)
+            self._loops_at[key] = found
+        return found
+
+    # -- display --------------------------------------------------------------------------
+    def line(self, cid: int, offset: int) -> int | None:
+        code = self.code(cid)
+        if code is None:
+            return None
+        table = self._lines.get(cid)
+        if table is None:
+            starts, lines = [], []
+            for start, _end, line in code.co_lines():
+                starts.append(start)
+                lines.append(line if line is not None else -1)
+            table = self._lines[cid] = (starts, lines)
+        i = bisect_right(table[0], abs(offset)) - 1
+        if i < 0:
+            return None
+        line = table[1][i]
+        return None if line < 0 else line
+
+    def describe_frame(self, frame: Frame) -> str:
+        cid, off = frame
+        if cid < 0:
+            return f"<{PSEUDO_NAMES.get(cid, cid)} {off}>"
+        code = self.code(cid)
+        if code is None:
+            return "<?>"
+        return f"{_short_path(code.co_filename)}:{self.line(cid, off)} ({code.co_name})"
+
+    def is_user_code(self, cid: int) -> bool:
+        """True for code outside the torch package (the frames a user recognises)."""
+        code = self.code(cid)
+        if code is None:
+            return False
+        return f"{os.sep}torch{os.sep}" not in code.co_filename
+
+    def describe(self, loc: Location) -> str:
+        """The innermost user frame of a location (or the innermost frame), as file:line."""
+        real = [f for f in loc if f[0] > 0]
+        user = [f for f in real if self.is_user_code(f[0])]
+        pick = user[-1] if user else (real[-1] if real else None)
+        desc = self.describe_frame(pick) if pick else "<no python frame>"
+        if any(f[0] == BWD for f in loc):
+            desc = "grad of " + desc
+        return desc
+
+
+def _short_path(path: str) -> str:
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:]) if len(parts) > 1 else path
+
+
+CODES = CodeTable()
+
+
+def current_frame(depth: int = 1) -> types.FrameType:
+    """The caller's frame ``depth`` levels up (``sys._getframe`` without the import noise)."""
+    return sys._getframe(depth + 1)

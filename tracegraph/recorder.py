@@ -1,0 +1,335 @@
+"""Recording a step: ``with record() as trace: step()``.
+
+Two modes cooperate (DESIGN.md §4, "Recording below autograd"):
+
+* a ``TorchFunctionMode`` sees each torch-level call with its Python call site. It captures the
+  location once per call, and it is where Python reads tensor data without an ATen op
+  (``.numpy()``, ``.tolist()``, ``repr``): those calls become :class:`Fetch` es.
+* a ``TorchDispatchMode`` sees the ATen ops of forward, backward and optimizer. Backward ops run
+  from the autograd engine, not from the user's line, so their location is derived from the
+  forward op that created the autograd node being executed (matched through autograd sequence
+  numbers); that keeps the gradient ops of a loop body equal across iterations.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from typing import Any
+
+import torch
+from torch._C._autograd import _get_sequence_nr
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .location import ACC, BSUB, BWD, CODES, SUB, UNKNOWN, Location
+from .schema import TensorMeta, schema_of
+from .trace import Fetch, OpKey, OpRecord, Trace, Value
+
+_NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes
+_SKIPPED_NAMESPACES = frozenset({"profiler"})  # record_function markers: no data, no effect
+
+_TB = torch._C.TensorBase
+# torch-level calls that read tensor data into Python. The ops they run internally (printing
+# runs many) are not part of the program's computation and are not recorded.
+FETCH_CALLS: dict[Any, str] = {
+    _TB.item: "item",
+    _TB.__bool__: "bool",
+    _TB.__float__: "float",
+    _TB.__int__: "int",
+    _TB.__index__: "index",
+    _TB.tolist: "tolist",
+    _TB.numpy: "numpy",
+    _TB.cpu: "cpu",
+    torch.Tensor.__repr__: "repr",
+    torch.Tensor.__format__: "format",
+    torch.Tensor.__array__: "numpy",
+}
+
+_active = threading.local()
+
+
+class RecordError(RuntimeError):
+    """Misuse of :func:`record`."""
+
+
+class _Recorder:
+    """The state of one recording; both modes write into it."""
+
+    def __init__(self, trace: Trace, base: types.FrameType) -> None:
+        self.trace = trace
+        self.base = base
+        self.vmap: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> value id
+        self.first_use: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> forward op index
+        self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
+        self.held: list[torch.UntypedStorage] = []  # external storages, alive while recording
+        self.n_storages = 0
+        self.call_loc: Location | None = None  # location of the current torch-level call
+        self.sub = 0
+        self.suppress = 0
+        self.seq_op: dict[int, int] = {}  # autograd sequence nr -> forward op index
+        self.last_seq = _get_sequence_nr()
+        self.mirrored: dict[int, Location] = {}  # forward op index -> mirrored location
+        self.node_key: Any = None
+        self.bsub = 0
+
+    # -- values -------------------------------------------------------------------------
+    def _new_storage(self) -> int:
+        self.n_storages += 1
+        return self.n_storages - 1
+
+    def _new_value(self, producer: int | None, out_index: int, t: torch.Tensor, storage: int) -> int:
+        values = self.trace.values
+        vid = len(values)
+        values.append(Value(vid, producer, out_index, TensorMeta.of(t), storage))
+        self.vmap[t] = vid
+        return vid
+
+    def value_of(self, t: torch.Tensor) -> int:
+        vid = self.vmap.get(t)
+        if vid is not None:
+            return vid
+        try:
+            st = t.untyped_storage()
+            addr = st._cdata
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
+            st, addr = None, None
+        sid = self.ext_storage.get(addr) if addr is not None else None
+        if sid is None:
+            sid = self._new_storage()
+            if st is not None:
+                self.ext_storage[addr] = sid
+                self.held.append(st)  # its address must not be reused while we map it
+        vid = self._new_value(None, 0, t, sid)
+        self.trace.externals.append(vid)
+        return vid
+
+    # -- locations ------------------------------------------------------------------------
+    def capture(self, frame: types.FrameType | None) -> Location:
+        return CODES.capture(frame, self.base)
+
+    def _forward_location(self) -> Location:
+        loc = self.call_loc
+        if loc is None:  # an ATen op issued outside any torch-level call
+            loc = self.capture(sys._getframe(3))
+            self.call_loc, self.sub = None, 0
+            return loc + ((SUB, 0),)
+        sub = self.sub
+        self.sub = sub + 1
+        return loc + ((SUB, sub),)
+
+    def _mirror(self, op_index: int) -> Location:
+        m = self.mirrored.get(op_index)
+        if m is None:
+            m = tuple((c, -o) for c, o in self.trace.ops[op_index].key.loc)
+            self.mirrored[op_index] = m
+        return m
+
+    def _backward_location(self, node: Any) -> tuple[Location, int | None]:
+        seq = node._sequence_nr()
+        fwd = self.seq_op.get(seq)
+        leaf_use = None
+        if fwd is None and seq == _NO_SEQ:
+            leaf = getattr(node, "variable", None)
+            key = (seq, id(leaf))
+            if leaf is not None:
+                leaf_use = self.first_use.get(leaf)
+        else:
+            key = seq
+        if key != self.node_key:
+            self.node_key, self.bsub = key, 0
+        bsub = self.bsub
+        self.bsub += 1
+        site = self.call_loc if self.call_loc is not None else self.capture(sys._getframe(4))
+        site = site + ((BWD, 0),)
+        if fwd is not None:
+            return site + self._mirror(fwd) + ((BSUB, bsub),), fwd
+        if leaf_use is not None:
+            return site + self._mirror(leaf_use) + ((ACC, bsub),), None
+        return site + ((UNKNOWN, 0), (BSUB, bsub)), None
+
+    # -- ops ------------------------------------------------------------------------------
+    def on_op(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        sch = schema_of(func)
+        attrs, tensors, owner = sch.normalize(args, kwargs)
+        index = len(self.trace.ops)
+        node = torch._C._current_autograd_node()
+        backward_of = None
+        if node is None:
+            loc = self._forward_location()
+            seq = _get_sequence_nr()
+            if seq != self.last_seq:  # this op created autograd nodes: remember where
+                for s in range(self.last_seq, seq):
+                    self.seq_op[s] = index
+                self.last_seq = seq
+        else:
+            loc, backward_of = self._backward_location(node)
+
+        inputs = tuple(self.value_of(t) for t in tensors)
+        metas = tuple(TensorMeta.of(t) for t in tensors)
+        if node is None:
+            first_use = self.first_use
+            for t in tensors:
+                if t.requires_grad and t.is_leaf and t not in first_use:
+                    first_use[t] = index
+
+        out = func(*args, **kwargs)
+
+        values = self.trace.values
+        in_storage = {}
+        for t, vid in zip(tensors, inputs):
+            try:
+                in_storage[t.untyped_storage()._cdata] = values[vid].storage
+            except (RuntimeError, NotImplementedError):
+                pass
+        results = _flatten_result(out)
+        outputs = []
+        returned = set()
+        for t in results:
+            returned.add(id(t))
+            try:
+                sid = in_storage.get(t.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                sid = None
+            if sid is None:
+                sid = self._new_storage()
+            outputs.append(self._new_value(index, len(outputs), t, sid))
+        writes = tuple(i for i, arg in enumerate(owner) if arg in sch.writes)
+        for i in writes:  # a mutated argument not returned still has a new value now
+            t = tensors[i]
+            if id(t) not in returned:
+                outputs.append(self._new_value(index, len(outputs), t, values[inputs[i]].storage))
+        python_result = out is not None and not results and not isinstance(out, (tuple, list))
+        self.trace.ops.append(
+            OpRecord(
+                index=index,
+                key=OpKey(func, attrs, metas, loc),
+                inputs=inputs,
+                outputs=tuple(outputs),
+                writes=writes,
+                python_result=python_result,
+                backward_of=backward_of,
+            )
+        )
+        return out
+
+    def on_fetch(self, kind: str, t: Any, loc: Location) -> None:
+        vid = self.value_of(t) if isinstance(t, torch.Tensor) else None
+        self.trace.fetches.append(Fetch(kind, vid, len(self.trace.ops), loc))
+
+    def finish(self, error: BaseException | None) -> None:
+        self.trace.status = "failed" if error is not None else "complete"
+        self.trace.error = error
+        self.held.clear()
+        self.vmap = WeakIdKeyDictionary()
+        self.first_use = WeakIdKeyDictionary()
+        self.base = None  # type: ignore[assignment]
+
+
+def _flatten_result(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        flat = []
+        for x in out:
+            if isinstance(x, torch.Tensor):
+                flat.append(x)
+            elif isinstance(x, (tuple, list)):
+                flat.extend(y for y in x if isinstance(y, torch.Tensor))
+        return flat
+    return []
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        rec = self.rec
+        kwargs = kwargs or {}
+        if rec.suppress:
+            return func(*args, **kwargs)
+        loc = rec.capture(sys._getframe(1))
+        kind = FETCH_CALLS.get(func)
+        if kind is not None:
+            rec.on_fetch(kind, args[0] if args else None, loc)
+            rec.suppress += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                rec.suppress -= 1
+        saved = rec.call_loc, rec.sub
+        rec.call_loc, rec.sub = loc, 0
+        try:
+            return func(*args, **kwargs)
+        finally:
+            rec.call_loc, rec.sub = saved
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        rec = self.rec
+        if rec.suppress or func.namespace in _SKIPPED_NAMESPACES:
+            return func(*args, **kwargs)
+        return rec.on_op(func, args, kwargs)
+
+
+def loops_around(frame: types.FrameType) -> frozenset:
+    """``(code id, header)`` of the loops of ``frame`` around its current position: a ``with``
+    block opened inside a training loop is inside that loop, but the loop is not in the step."""
+    cid = CODES.code_id(frame.f_code)
+    if cid <= 0:
+        return frozenset()
+    return frozenset((cid, header) for header, _ in CODES.loops_at(cid, frame.f_lasti))
+
+
+class record:
+    """Record the ops of the enclosed code into a :class:`Trace`.
+
+    ``with record() as trace: train_step()`` runs the step eagerly, unchanged, and fills
+    ``trace``. If the block raises, the exception propagates and the trace is marked failed, so
+    :meth:`TraceGraph.merge` refuses it. Recording is per thread and does not nest.
+    """
+
+    def __init__(self) -> None:
+        self.trace = Trace()
+        self._rec: _Recorder | None = None
+        self._modes: tuple[_FunctionMode, _DispatchMode] | None = None
+
+    def __enter__(self) -> Trace:
+        if getattr(_active, "recorder", None) is not None:
+            raise RecordError("record() is already active in this thread; recordings do not nest")
+        if self._rec is not None:
+            raise RecordError("this record() was already used; create a new one for each step")
+        base = sys._getframe(1)
+        self.trace.outside_loops = loops_around(base)
+        self._rec = _Recorder(self.trace, base)
+        fmode, dmode = _FunctionMode(self._rec), _DispatchMode(self._rec)
+        fmode.__enter__()
+        try:
+            dmode.__enter__()
+        except BaseException:
+            fmode.__exit__(None, None, None)
+            raise
+        self._modes = (fmode, dmode)
+        _active.recorder = self._rec
+        return self.trace
+
+    def __exit__(self, et, ev, tb) -> bool:  # noqa: ANN001
+        assert self._modes is not None and self._rec is not None
+        fmode, dmode = self._modes
+        try:
+            dmode.__exit__(et, ev, tb)
+        finally:
+            fmode.__exit__(et, ev, tb)
+            _active.recorder = None
+            self._rec.finish(ev)
+        return False

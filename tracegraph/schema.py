@@ -1,0 +1,216 @@
+"""What the recorder needs to know about an ATen overload, read once from its schema.
+
+For each overload: which arguments are tensors, which are plain values, which values may be
+promoted to fed inputs when they vary between steps (numbers, never dtypes or strings), which
+tensor arguments it writes, and whether it is random, data-dependent or has a data-dependent
+output shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+TENSOR = "T"  # Tensor
+OPT_TENSOR = "OT"  # Tensor?
+TENSOR_LIST = "TL"  # Tensor[] / Tensor?[]
+VALUE = "V"  # anything else
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def __reduce__(self) -> str:
+        return self.name
+
+
+DEFAULT = _Marker("DEFAULT")  # argument left at its schema default
+TENSOR_ARG = _Marker("TENSOR")  # a tensor argument; its metadata is kept apart
+FED = _Marker("FED")  # a value promoted to a fed input
+
+# Ops that mutate an argument their schema does not mark as written: (positions, condition).
+# native_batch_norm updates running_mean/running_var in place when training=True.
+_UNDECLARED_WRITES: dict[str, tuple[int, ...]] = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+}
+
+
+class TensorMeta(NamedTuple):
+    """The metadata of a tensor that is part of an op key (DESIGN.md §3)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    layout: torch.layout
+    stride: tuple[int, ...] | None
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        layout = t.layout
+        stride = t.stride() if layout == torch.strided else None
+        return TensorMeta(t.shape, t.dtype, t.device, layout, stride, t.requires_grad)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor's elements span (not its storage)."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    def short(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{dt}[{','.join(map(str, self.shape))}]"
+
+
+def _is_numeric(ty: Any) -> bool:
+    if isinstance(ty, (torch.IntType, torch.FloatType, torch.BoolType, torch.NumberType)):
+        return True
+    if isinstance(ty, torch.SymIntType):
+        return True
+    if isinstance(ty, (torch.ListType, torch.OptionalType)):
+        return _is_numeric(ty.getElementType())
+    return False
+
+
+def _kind(ty: Any) -> str:
+    if isinstance(ty, torch.TensorType):
+        return TENSOR
+    if isinstance(ty, torch.OptionalType) and isinstance(ty.getElementType(), torch.TensorType):
+        return OPT_TENSOR
+    if isinstance(ty, torch.ListType):
+        el = ty.getElementType()
+        if isinstance(el, torch.OptionalType):
+            el = el.getElementType()
+        if isinstance(el, torch.TensorType):
+            return TENSOR_LIST
+    return VALUE
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """Per-overload facts, computed once (see :func:`schema_of`)."""
+
+    name: str
+    arg_names: tuple[str, ...]
+    kinds: tuple[str, ...]
+    promotable: tuple[int, ...]  # positions whose numeric value may become a feed (a Tensor
+    # position counts: Python numbers arrive there as such, e.g. ``x * lr``)
+    writes: tuple[int, ...]  # argument positions the op mutates
+    random: bool
+    data_dependent: bool  # the result is a Python value read from tensor data
+    dynamic_shape: bool  # the output shape depends on tensor data
+
+    def normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor], list[int]]:
+        """Arguments in schema order: ``(attrs, tensors, arg_index_of_each_tensor)``.
+
+        ``attrs`` holds every non-tensor argument as a hashable value (tensors are replaced by
+        a marker, tensor lists by ``(marker, length)``); the tensors come out flattened.
+        """
+        attrs: list[Any] = []
+        tensors: list[torch.Tensor] = []
+        owner: list[int] = []
+        n_pos = len(args)
+        for i, name in enumerate(self.arg_names):
+            if i < n_pos:
+                v = args[i]
+            else:
+                v = kwargs.get(name, DEFAULT) if kwargs else DEFAULT
+            kind = self.kinds[i]
+            if kind == VALUE or not isinstance(v, (torch.Tensor, list, tuple)):
+                # a Python number may stand for a Tensor argument (``x * 0.5``)
+                attrs.append(hashable(v))
+            elif kind == TENSOR_LIST:
+                shape = []
+                for t in v:
+                    if isinstance(t, torch.Tensor):
+                        shape.append(TENSOR_ARG)
+                        tensors.append(t)
+                        owner.append(i)
+                    else:
+                        shape.append(hashable(t))
+                attrs.append(tuple(shape))
+            else:
+                attrs.append(TENSOR_ARG)
+                tensors.append(v)
+                owner.append(i)
+        return tuple(attrs), tensors, owner
+
+
+_SCHEMAS: dict[torch._ops.OpOverload, OpSchema] = {}
+
+
+def schema_of(func: torch._ops.OpOverload) -> OpSchema:
+    s = _SCHEMAS.get(func)
+    if s is None:
+        s = _SCHEMAS[func] = _build(func)
+    return s
+
+
+def _build(func: torch._ops.OpOverload) -> OpSchema:
+    sch = func._schema
+    names, kinds, promotable, writes = [], [], [], []
+    for i, a in enumerate(sch.arguments):
+        names.append(a.name)
+        kinds.append(_kind(a.type))
+        if (kinds[-1] == VALUE and _is_numeric(a.type)) or kinds[-1] in (TENSOR, OPT_TENSOR):
+            promotable.append(i)
+        if a.alias_info is not None and a.alias_info.is_write:
+            writes.append(i)
+    writes.extend(p for p in _UNDECLARED_WRITES.get(sch.name, ()) if p not in writes)
+    tags = set(func.tags)
+    return OpSchema(
+        name=f"{sch.name}.{sch.overload_name}" if sch.overload_name else sch.name,
+        arg_names=tuple(names),
+        kinds=tuple(kinds),
+        promotable=tuple(promotable),
+        writes=tuple(sorted(writes)),
+        random=torch.Tag.nondeterministic_seeded in tags,
+        data_dependent=torch.Tag.data_dependent_output in tags,
+        dynamic_shape=torch.Tag.dynamic_output_shape in tags,
+    )
+
+
+def hashable(v: Any) -> Any:
+    """A hashable, type-exact stand-in for a non-tensor argument.
+
+    Numbers keep their type (``1``, ``1.0`` and ``True`` are equal in Python but not to an op).
+    """
+    t = type(v)
+    if t is int or t is float or t is bool:
+        return (t, v)
+    if v is None or t is str or v is DEFAULT:
+        return v
+    if t is list or t is tuple:
+        return tuple(hashable(x) for x in v)
+    if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return v
+    if isinstance(v, torch.Generator):
+        return ("generator", str(v.device))
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return hashable(v.node.pytype(v))  # pragma: no cover - no symbolic values in eager
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return (t.__name__, repr(v))
+
+
+def is_number_like(v: Any) -> bool:
+    """True for a hashable() number or a tuple of them: the values a feed may carry."""
+    if type(v) is tuple and len(v) == 2 and v[0] in (int, float, bool):
+        return True
+    if type(v) is tuple:
+        return all(is_number_like(x) for x in v)
+    return False

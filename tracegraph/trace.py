@@ -1,0 +1,152 @@
+"""A trace: the ATen ops one training step executed, with their value flow.
+
+A :class:`Trace` holds metadata only, never tensors, so keeping traces costs no device memory.
+Every tensor the step touched is a :class:`Value`; values not produced by a recorded op are
+external inputs (feed points). Where Python read tensor data is a :class:`Fetch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from .location import CODES, Location
+from .schema import TensorMeta, schema_of
+
+if TYPE_CHECKING:
+    from .structure import Loop
+
+
+class OpKey:
+    """What makes two ops the same op (DESIGN.md §3): overload, non-tensor arguments, tensor
+    metadata and executed location. The hash is computed once."""
+
+    __slots__ = ("func", "attrs", "metas", "loc", "_hash")
+
+    def __init__(
+        self, func: torch._ops.OpOverload, attrs: tuple, metas: tuple[TensorMeta, ...], loc: Location
+    ) -> None:
+        self.func = func
+        self.attrs = attrs
+        self.metas = metas
+        self.loc = loc
+        self._hash = hash((func, attrs, metas, loc))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, OpKey) or self._hash != other._hash:
+            return False
+        return (
+            self.func == other.func
+            and self.attrs == other.attrs
+            and self.metas == other.metas
+            and self.loc == other.loc
+        )
+
+    def with_attrs(self, attrs: tuple) -> "OpKey":
+        return OpKey(self.func, attrs, self.metas, self.loc)
+
+    def __repr__(self) -> str:
+        return f"OpKey({self.func}, at {CODES.describe(self.loc)})"
+
+
+@dataclass(eq=False, slots=True)
+class Value:
+    """A tensor value: an op output (``producer`` is the op index) or an external input."""
+
+    vid: int
+    producer: int | None
+    out_index: int
+    meta: TensorMeta
+    storage: int  # trace-local storage id: views and in-place results share their base's id
+
+    @property
+    def external(self) -> bool:
+        return self.producer is None
+
+
+@dataclass(eq=False, slots=True)
+class OpRecord:
+    index: int
+    key: OpKey
+    inputs: tuple[int, ...]  # value ids of the flattened tensor arguments
+    outputs: tuple[int, ...]  # value ids of results, then of written arguments not returned
+    writes: tuple[int, ...]  # positions in ``inputs`` the op mutates
+    python_result: bool  # returns a Python value read from tensor data: a fetch
+    backward_of: int | None  # for a gradient op: the forward op it differentiates
+
+    @property
+    def func(self) -> torch._ops.OpOverload:
+        return self.key.func
+
+    @property
+    def name(self) -> str:
+        return schema_of(self.key.func).name
+
+    @property
+    def is_backward(self) -> bool:
+        from .location import BWD
+
+        return any(c == BWD for c, _ in self.key.loc)
+
+    @property
+    def random(self) -> bool:
+        return schema_of(self.key.func).random
+
+    def __repr__(self) -> str:
+        return f"#{self.index} {self.name} at {CODES.describe(self.key.loc)}"
+
+
+@dataclass(eq=False, slots=True)
+class Fetch:
+    """Python read a tensor's data: ``kind`` is the API used (``item``, ``bool``, ``numpy``...)."""
+
+    kind: str
+    vid: int | None
+    after: int  # number of ops recorded before the fetch
+    loc: Location
+
+
+Item = Union[int, Fetch, "Loop"]
+
+
+@dataclass(eq=False)
+class Trace:
+    """The record of one step. Filled by :func:`tracegraph.record`."""
+
+    ops: list[OpRecord] = field(default_factory=list)
+    values: list[Value] = field(default_factory=list)
+    fetches: list[Fetch] = field(default_factory=list)
+    externals: list[int] = field(default_factory=list)  # value ids, in order of first use
+    outside_loops: frozenset = frozenset()  # loops around the recording (see structure.py)
+    status: str = "recording"  # recording | complete | failed
+    error: BaseException | None = None
+    _items: list[Item] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    @property
+    def items(self) -> list[Item]:
+        """The ops and fetches as a tree: loops grouped into :class:`~tracegraph.structure.Loop`."""
+        if self._items is None:
+            from .structure import build_items
+
+            self._items = build_items(self)
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Trace {self.status}: {len(self.ops)} ops, {len(self.externals)} external inputs, "
+            f"{len(self.fetches) + sum(op.python_result for op in self.ops)} fetches>"
+        )
