@@ -30,7 +30,7 @@ from .schema import FED, TensorMeta, is_number_like, schema_of
 from .structure import Loop, LoopKey
 from .trace import Fetch, OpKey, OpRecord, Trace
 
-Source = tuple  # ("ext",) | ("enter",) | ("node", node_id, output) | ("loop", loop_id, loc, output)
+Source = tuple  # ("ext",) | ("enter",) | ("node", id, output) | ("loop", loop_id, body_node_id, output)
 EXT: Source = ("ext",)
 ENTER: Source = ("enter",)
 ANY_OUTPUT = -1  # output index of a promoted source: any output of the producer
@@ -302,7 +302,8 @@ Ctx = tuple  # ((loop node id, instance, iteration), ...) outermost first
 
 def _producer(src: Source) -> int | None:
     """The node whose execution makes ``src`` available (None for feeds and ENTER)."""
-    return src[1] if src[0] in ("node", "loop") else None
+    kind = src[0]
+    return src[1] if kind == "node" else src[2] if kind == "loop" else None
 
 
 def _source_matches(alt: Source, src: Source) -> bool:
@@ -421,9 +422,8 @@ class _Walk:
             return ENTER
         if len(pctx) == depth:
             return ("node", node.id, value.out_index)
-        # made inside a loop nested here: name it by the loop and the op's location, not the
-        # body node, so paths through the body that end differently still merge after it
-        return ("loop", pctx[depth][0], node.key.loc, value.out_index)
+        # made inside a loop nested here (in its last iteration that ran the producer)
+        return ("loop", pctx[depth][0], node.id, value.out_index)
 
     def visit(self, node: Node, rec: OpRecord, ctx: Ctx) -> Node:
         self.placed[rec.index] = (node, ctx)
@@ -494,10 +494,11 @@ class _Walk:
         if EXT in alts:
             return False
         target = self.g.node(pid)
-        return not any(
-            (q := _producer(a)) is not None and node.region.reaches(self.g.node(q), target)
-            for a in alts
-        )
+        for a in alts:
+            other = self.g.node(_producer(a))
+            if other.region is not target.region or target.region.reaches(other, target):
+                return False
+        return True
 
     # -- changes (each logs its undo) -----------------------------------------------------
     def add_node(self, region: Region, kind: str, key: Any, index_key: Hashable) -> Node:

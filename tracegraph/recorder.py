@@ -62,7 +62,7 @@ class _Recorder:
         self.trace = trace
         self.base = base
         self.vmap: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> value id
-        self.first_use: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> forward op index
+        self.first_use: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> (op, input pos)
         self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
         self.held: list[torch.UntypedStorage] = []  # external storages, alive while recording
         self.n_storages = 0
@@ -147,7 +147,8 @@ class _Recorder:
         if fwd is not None:
             return site + self._mirror(fwd) + ((BSUB, bsub),), fwd
         if leaf_use is not None:
-            return site + self._mirror(leaf_use) + ((ACC, bsub),), None
+            op_index, pos = leaf_use
+            return site + self._mirror(op_index) + ((ACC, pos), (BSUB, bsub)), None
         return site + ((UNKNOWN, 0), (BSUB, bsub)), None
 
     # -- ops ------------------------------------------------------------------------------
@@ -171,9 +172,9 @@ class _Recorder:
         metas = tuple(TensorMeta.of(t) for t in tensors)
         if node is None:
             first_use = self.first_use
-            for t in tensors:
+            for pos, t in enumerate(tensors):
                 if t.requires_grad and t.is_leaf and t not in first_use:
-                    first_use[t] = index
+                    first_use[t] = (index, pos)
 
         out = func(*args, **kwargs)
 

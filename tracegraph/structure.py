@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .location import BWD, CODES, Location
+from .location import ACC, BWD, CODES, Location
 
 if TYPE_CHECKING:
     from .trace import Fetch, Item, Trace
@@ -79,6 +79,8 @@ def _restart_from(a: Location, b: Location) -> tuple[int, int | None, int | None
                 return None  # a different region of the same call: forward
             return (d - 1, None, None)  # another function called from the same site: re-call
         if oa != ob:
+            if ca == ACC:
+                return None  # leaves of one op accumulate in the engine's order, not ours
             return None if ob > oa else (d, oa, ob)
     if len(a) == len(b):
         return (n - 1, a[-1][1], b[-1][1])  # the very same site ran again

@@ -29,7 +29,7 @@ class Summary:
 
     @property
     def traces(self) -> int:
-        """Traces that had to be merged: Terra's tracing phase lasts this many steps."""
+        """Traces that added to the graph: Terra's tracing phase lasts this many steps."""
         return sum(not s.covered for s in self.steps)
 
     @property
@@ -58,7 +58,7 @@ class Summary:
         return "\n".join(
             [
                 self.table(),
-                f"traces merged: {self.traces} of {len(self.steps)} steps; {conv_txt}",
+                f"new traces: {self.traces} of {len(self.steps)} steps; {conv_txt}",
                 f"graph: {st['nodes']} op nodes, {st['loops']} loops, {st['edges']} edges, "
                 f"{st['blocks']} basic blocks, {st['switches']} switches, {st['feeds']} feeds, "
                 f"{st['fetches']} fetch points",
@@ -69,8 +69,9 @@ class Summary:
 def summarize(
     step_fn: Callable[..., Any], steps: int = 10, graph: TraceGraph | None = None
 ) -> Summary:
-    """Run ``step_fn`` ``steps`` times under :func:`record`, merging every trace the graph does
-    not cover yet. ``step_fn`` takes no argument or the step index."""
+    """Run ``step_fn`` ``steps`` times under :func:`record` and merge each trace (a covered
+    trace adds nothing but its statistics: visits, trip counts). ``step_fn`` takes no argument
+    or the step index."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     takes_step = _takes_one_arg(step_fn)
@@ -79,9 +80,7 @@ def summarize(
     for i in range(steps):
         with record() as trace:
             step_fn(i) if takes_step else step_fn()
-        covered = graph.traces > 0 and graph.covers(trace)
-        if not covered:
-            graph.merge(trace)
+        covered = not graph.merge(trace)
         summary.steps.append(
             StepRecord(
                 step=i,
