@@ -219,13 +219,15 @@ class TraceGraph:
         return to_dot(self)
 
     def stats(self) -> dict[str, int]:
-        """Sizes for a summary: node, edge, loop, block and switch counts, feeds, fetches."""
+        """Sizes for a summary: node, edge, loop, block and switch counts (all regions, and
+        ``top_switches`` at the top level only), feeds, fetch points."""
         nodes = self.nodes()
         blocks = switches = 0
         for region in self.regions():
             for sc in region.switch_cases():
                 blocks += sum(1 for c in sc.cases if c.block)
                 switches += sc.is_switch
+        top_switches = sum(sc.is_switch for sc in self.root.switch_cases())
         return {
             "traces": self.traces,
             "nodes": sum(n.kind in (OP, LABEL) for n in nodes),
@@ -233,6 +235,7 @@ class TraceGraph:
             "edges": sum(len(r.edges()) for r in self.regions()),
             "blocks": blocks,
             "switches": switches,
+            "top_switches": top_switches,
             "feeds": sum(n.feeds for n in nodes),
             "fetches": sum(len(n.fetches) for n in nodes)
             + sum(len(r.start.fetches) for r in self.regions())

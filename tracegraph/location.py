@@ -38,10 +38,17 @@ _SKIP_PREFIXES = tuple(os.path.join(_root, pkg) + os.sep for pkg in ("tracegraph
 
 
 def _torch_plumbing_files() -> frozenset[str]:
+    """torch's own mode-dispatch machinery: frames that say nothing about the user's program."""
     import torch
 
     base = os.path.dirname(os.path.abspath(torch.__file__))
-    rel = ("overrides.py", "_ops.py", os.path.join("utils", "_python_dispatch.py"))
+    rel = (
+        "overrides.py",
+        "_ops.py",
+        "_compile.py",
+        os.path.join("utils", "_python_dispatch.py"),
+        os.path.join("_dynamo", "eval_frame.py"),
+    )
     return frozenset(os.path.join(base, r) for r in rel)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ class _Recorder:
     def __init__(self, trace: Trace, base: types.FrameType) -> None:
         self.trace = trace
         self.base = base
-        self.vmap: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> value id
+        self.vmap = _TensorMap()  # tensor -> value id
         self.first_use: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> (op, input pos)
         self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
         self.held: list[torch.UntypedStorage] = []  # external storages, alive while recording
@@ -224,9 +225,41 @@ class _Recorder:
         self.trace.status = "failed" if error is not None else "complete"
         self.trace.error = error
         self.held.clear()
-        self.vmap = WeakIdKeyDictionary()
+        self.vmap = _TensorMap()
         self.first_use = WeakIdKeyDictionary()
         self.base = None  # type: ignore[assignment]
+
+
+class _TensorMap:
+    """tensor -> value id, by identity, without keeping tensors alive.
+
+    A plain dict on ``id()`` with a weak reference per entry: the reference both checks that
+    the id still names the same tensor and removes the entry when the tensor dies. (PyTorch
+    keeps a tensor's Python object alive while autograd holds the tensor, so saved tensors
+    keep their identity into the backward.)
+    """
+
+    __slots__ = ("_d",)
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref, int]] = {}
+
+    def get(self, t: torch.Tensor) -> int | None:
+        e = self._d.get(id(t))
+        if e is not None and e[0]() is t:
+            return e[1]
+        return None
+
+    def __setitem__(self, t: torch.Tensor, vid: int) -> None:
+        d = self._d
+        key = id(t)
+
+        def drop(ref: weakref.ref, d: dict = d, key: int = key) -> None:
+            e = d.get(key)
+            if e is not None and e[0] is ref:
+                del d[key]
+
+        d[key] = (weakref.ref(t, drop), vid)
 
 
 def _flatten_result(out: Any) -> list[torch.Tensor]:

@@ -58,8 +58,8 @@ class TensorMeta(NamedTuple):
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
         layout = t.layout
-        stride = t.stride() if layout == torch.strided else None
-        return TensorMeta(t.shape, t.dtype, t.device, layout, stride, t.requires_grad)
+        stride = t.stride() if layout is _STRIDED else None
+        return _tuple_new(TensorMeta, (t.shape, t.dtype, t.device, layout, stride, t.requires_grad))
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +72,10 @@ class TensorMeta(NamedTuple):
     def short(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         return f"{dt}[{','.join(map(str, self.shape))}]"
+
+
+_STRIDED = torch.strided
+_tuple_new = tuple.__new__
 
 
 def _is_numeric(ty: Any) -> bool:

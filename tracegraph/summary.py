@@ -60,7 +60,8 @@ class Summary:
                 self.table(),
                 f"new traces: {self.traces} of {len(self.steps)} steps; {conv_txt}",
                 f"graph: {st['nodes']} op nodes, {st['loops']} loops, {st['edges']} edges, "
-                f"{st['blocks']} basic blocks, {st['switches']} switches, {st['feeds']} feeds, "
+                f"{st['blocks']} basic blocks, {st['switches']} switches "
+                f"({st['top_switches']} at top level, the rest in loop bodies), {st['feeds']} feeds, "
                 f"{st['fetches']} fetch points",
             ]
         )
