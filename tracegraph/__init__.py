@@ -12,14 +12,14 @@
 """
 
 from .cases import Case, SwitchCase, select_cases
-from .graph import IncompleteTraceError, Node, Region, TraceGraph
-from .recorder import RecordError, record
+from .graph import Cursor, IncompleteTraceError, Node, NotCovered, Region, TraceGraph
+from .recorder import FETCH_CALLS, Recorder, RecordError, record
 from .structure import Loop
 from .summary import Summary, summarize
 from .trace import Fetch, OpKey, OpRecord, Trace, Value
 
 __all__ = [
-    "Case", "Fetch", "IncompleteTraceError", "Loop", "Node", "OpKey", "OpRecord", "RecordError",
-    "Region", "Summary", "SwitchCase", "Trace", "TraceGraph", "Value", "record", "select_cases",
-    "summarize",
+    "Case", "Cursor", "FETCH_CALLS", "Fetch", "IncompleteTraceError", "Loop", "Node", "NotCovered",
+    "OpKey", "OpRecord", "RecordError", "Recorder", "Region", "Summary", "SwitchCase", "Trace",
+    "TraceGraph", "Value", "record", "select_cases", "summarize",
 ]  # fmt: skip

@@ -27,7 +27,7 @@ from typing import Any
 
 from .location import CODES
 from .schema import FED, TensorMeta, is_number_like, schema_of
-from .structure import Loop, LoopKey
+from .structure import LoopKey, LoopTracker, in_order
 from .trace import Fetch, OpKey, OpRecord, Trace
 
 Source = tuple  # ("ext",) | ("enter",) | ("node", id, output) | ("loop", loop_id, body_node_id, output)
@@ -47,7 +47,7 @@ class Node:
 
     __slots__ = (
         "id", "kind", "region", "key", "sources", "promoted", "out_metas", "body", "trips",
-        "visits", "fetches", "enter_sources", "label",
+        "visits", "fetches", "enter_sources", "label", "out_alias", "n_returned",
     )  # fmt: skip
 
     def __init__(self, nid: int, kind: str, region: "Region", key: Any = None) -> None:
@@ -58,6 +58,8 @@ class Node:
         self.sources: tuple[tuple[Source, ...], ...] = ()  # per input: its alternatives
         self.promoted: frozenset[int] = frozenset()  # attribute positions that are fed
         self.out_metas: tuple[TensorMeta, ...] = ()
+        self.out_alias: tuple[int | None, ...] = ()  # per output: input whose storage it shares
+        self.n_returned = 0  # outputs the op returns (the rest are arguments it writes)
         self.body: Region | None = None  # loop nodes
         self.trips: Counter[int] = Counter()  # loop nodes: trip count -> executions seen
         self.visits = 0
@@ -183,21 +185,21 @@ class TraceGraph:
         All or nothing: if merging fails part way, the graph is left exactly as it was.
         """
         _check_trace(trace, "merge")
-        walk = _Walk(self, trace, mutate=True)
+        cursor = Cursor(self, trace, mutate=True)
         try:
-            walk.run()
+            cursor.run()
         except BaseException:
-            walk.rollback()
+            cursor.rollback()
             raise
         self.traces += 1
-        return walk.changed
+        return cursor.changed
 
     def covers(self, trace: Trace) -> bool:
         """True when ``trace`` is a path of the graph, with no new node, edge or feed."""
         _check_trace(trace, "check")
         try:
-            _Walk(self, trace, mutate=False).run()
-        except _NotCovered:
+            Cursor(self, trace, mutate=False).run()
+        except NotCovered:
             return False
         return True
 
@@ -296,8 +298,8 @@ def _check_trace(trace: Any, verb: str) -> None:
         )
 
 
-class _NotCovered(Exception):
-    pass
+class NotCovered(Exception):
+    """The op (or loop, or end of step) is not in the graph where the walk is."""
 
 
 Ctx = tuple  # ((loop node id, instance, iteration), ...) outermost first
@@ -315,8 +317,27 @@ def _source_matches(alt: Source, src: Source) -> bool:
     return alt[0] == "node" and alt[2] == ANY_OUTPUT and src[0] == "node" and src[1] == alt[1]
 
 
-class _Walk:
-    """One pass of a trace over the graph: merging (``mutate``) or checking coverage.
+class _Frame:
+    """Where a cursor is in one region: the latest matched node, and the loop context."""
+
+    __slots__ = ("region", "cur", "ctx", "loop", "iteration", "instance")
+
+    def __init__(self, region: Region, ctx: Ctx, loop: Node | None, instance: int) -> None:
+        self.region = region
+        self.cur = region.start
+        self.ctx = ctx
+        self.loop = loop
+        self.iteration = 0
+        self.instance = instance
+
+
+class Cursor:
+    """Walks a trace over the graph op by op: merging (``mutate``) or matching.
+
+    The same walk serves :meth:`TraceGraph.merge` and :meth:`TraceGraph.covers` (fed a
+    recorded trace) and the co-execution skeleton (fed ops as they happen). Loops are entered,
+    iterated and left as a :class:`LoopTracker` decides, exactly as when the trace's items were
+    built. When matching, a step the graph does not have raises :class:`NotCovered`.
 
     Every change goes through a method that logs its undo, so a failed merge rolls back.
     """
@@ -332,9 +353,50 @@ class _Walk:
         self.instances = 0
         self._undo: list[Callable[[], None]] = []
         self._first_id = graph._next_id
+        self.tracker = LoopTracker(trace.outside_loops)
+        self.frames = [_Frame(graph.root, (), None, 0)]
+
+    # -- feeding --------------------------------------------------------------------------
+    def op(self, rec: OpRecord) -> Node:
+        """Place the next op; returns its node."""
+        ev = self.tracker.add_op(rec.index, rec.key.loc)
+        self._close_to(ev.keep)
+        if ev.restart:
+            self._next_iteration()
+        for key in ev.opened:
+            self._open(key)
+        f = self.frames[-1]
+        node = self.match_op(f.region, f.cur, rec, f.ctx)
+        self.edge(f.region, f.cur, node)
+        f.cur = node
+        return node
+
+    def fetch(self, item: Fetch) -> None:
+        self._close_to(self.tracker.add_fetch(item))
+        f = self.frames[-1]
+        if not self.mutate:
+            return
+        src = self.source(item.vid, f.ctx) if item.vid is not None else None
+        entry = (item.kind, src)
+        cur = f.cur
+        if entry not in cur.fetches:
+            cur.fetches.add(entry)
+            self._undo.append(lambda: cur.fetches.discard(entry))
+
+    def finish(self) -> None:
+        """The step ended: leave every loop and reach ``end``."""
+        self._close_to(0)
+        f = self.frames[0]
+        self.edge(f.region, f.cur, f.region.end)
 
     def run(self) -> None:
-        self.seq(self.g.root, self.t.items, ())
+        """Feed the whole trace and finish."""
+        for x in in_order(self.t):
+            if isinstance(x, Fetch):
+                self.fetch(x)
+            else:
+                self.op(x)
+        self.finish()
 
     def rollback(self) -> None:
         for undo in reversed(self._undo):
@@ -344,29 +406,54 @@ class _Walk:
             self.g._by_id.pop(nid, None)
         self.g._next_id = self._first_id
 
-    # -- walking --------------------------------------------------------------------------
-    def seq(self, region: Region, items: list, ctx: Ctx) -> None:
-        cur = region.start
-        for item in items:
-            if isinstance(item, int):
-                nxt = self.op(region, cur, self.t.ops[item], ctx)
-            elif isinstance(item, Loop):
-                nxt = self.loop(region, cur, item, ctx)
-            else:
-                self.fetch(cur, item, ctx)
-                continue
-            self.edge(region, cur, nxt)
-            cur = nxt
-        self.edge(region, cur, region.end)
+    # -- loops ----------------------------------------------------------------------------
+    def _close_to(self, keep: int) -> None:
+        while len(self.frames) - 1 > keep:
+            f = self.frames.pop()
+            self.edge(f.region, f.cur, f.region.end)
+            parent = self.frames[-1]
+            if self.mutate:
+                self.bump(f.loop.trips, f.iteration + 1)
+                self.bump_visits(f.loop)
+            self.ran(f.loop, parent.ctx)
 
-    def op(self, region: Region, cur: Node, rec: OpRecord, ctx: Ctx) -> Node:
+    def _next_iteration(self) -> None:
+        f = self.frames[-1]
+        self.edge(f.region, f.cur, f.region.end)
+        f.cur = f.region.start
+        f.iteration += 1
+        f.ctx = self.frames[-2].ctx + ((f.loop.id, f.instance, f.iteration),)
+
+    def _open(self, key: LoopKey) -> None:
+        parent = self.frames[-1]
+        region, cur = parent.region, parent.cur
+        children = region.succ[cur]
+        node = next((c for c in children if c.kind == LOOP and c.key == key), None)
+        if node is None:
+            if not self.mutate:
+                raise NotCovered(f"a new loop at {CODES.describe(key[0] + ((key[1], key[2]),))}")
+            for cand in region.index.get(key, ()):
+                if cand not in children and not region.reaches(cand, cur):
+                    node = cand
+                    break
+            else:
+                node = self.add_node(region, LOOP, key, key)
+                node.body = Region(self.g, node)
+        self.edge(region, cur, node)
+        parent.cur = node
+        self.instances += 1
+        ctx = parent.ctx + ((node.id, self.instances, 0),)
+        self.frames.append(_Frame(node.body, ctx, node, self.instances))
+
+    # -- ops ------------------------------------------------------------------------------
+    def match_op(self, region: Region, cur: Node, rec: OpRecord, ctx: Ctx) -> Node:
         srcs = tuple(self.source(v, ctx) for v in rec.inputs)
         children = region.succ[cur]
         for child in children:
             if child.kind == OP and self.same(child, rec.key, srcs, ctx):
                 return self.visit(child, rec, ctx)
         if not self.mutate:
-            raise _NotCovered
+            raise NotCovered(f"a new op: {rec!r}")
         out_metas = tuple(self.t.values[v].meta for v in rec.outputs)
         for child in children:
             if child.kind == OP and self.generalize(child, rec.key, srcs, out_metas, ctx, True):
@@ -381,39 +468,9 @@ class _Walk:
         node = self.add_node(region, OP, rec.key, _index_key(rec.key))
         node.sources = tuple((s,) for s in srcs)
         node.out_metas = out_metas
+        node.out_alias = rec.out_alias
+        node.n_returned = rec.n_returned
         return self.visit(node, rec, ctx)
-
-    def loop(self, region: Region, cur: Node, item: Loop, ctx: Ctx) -> Node:
-        children = region.succ[cur]
-        node = next((c for c in children if c.kind == LOOP and c.key == item.key), None)
-        if node is None:
-            if not self.mutate:
-                raise _NotCovered
-            for cand in region.index.get(item.key, ()):
-                if cand not in children and not region.reaches(cand, cur):
-                    node = cand
-                    break
-            else:
-                node = self.add_node(region, LOOP, item.key, item.key)
-                node.body = Region(self.g, node)
-        self.instances += 1
-        inst = self.instances
-        for k, iteration in enumerate(item.iterations):
-            self.seq(node.body, iteration, ctx + ((node.id, inst, k),))
-        if self.mutate:
-            self.bump(node.trips, item.trips)
-            self.bump_visits(node)
-        self.ran(node, ctx)
-        return node
-
-    def fetch(self, cur: Node, item: Fetch, ctx: Ctx) -> None:
-        if not self.mutate:
-            return
-        src = self.source(item.vid, ctx) if item.vid is not None else None
-        entry = (item.kind, src)
-        if entry not in cur.fetches:
-            cur.fetches.add(entry)
-            self._undo.append(lambda: cur.fetches.discard(entry))
 
     def source(self, vid: int, ctx: Ctx) -> Source:
         value = self.t.values[vid]
@@ -526,7 +583,7 @@ class _Walk:
         if v in region.succ[u]:
             return
         if not self.mutate:
-            raise _NotCovered
+            raise NotCovered
         region.succ[u].append(v)
         region.pred[v].append(u)
         self.changed = True

@@ -56,12 +56,17 @@ class RecordError(RuntimeError):
     """Misuse of :func:`record`."""
 
 
-class _Recorder:
-    """The state of one recording; both modes write into it."""
+class Recorder:
+    """The state of one recording; both modes report into it.
 
-    def __init__(self, trace: Trace, base: types.FrameType) -> None:
-        self.trace = trace
-        self.base = base
+    Subclasses change how an op runs without changing what is recorded: :meth:`execute`
+    computes an op (eagerly here; the co-execution skeleton returns placeholders instead), and
+    :meth:`before_fetch` runs before Python reads tensor data.
+    """
+
+    def __init__(self, trace: Trace | None = None) -> None:
+        self.trace = trace if trace is not None else Trace()
+        self.base: types.FrameType | None = None
         self.vmap = _TensorMap()  # tensor -> value id
         self.first_use: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> (op, input pos)
         self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
@@ -75,6 +80,58 @@ class _Recorder:
         self.mirrored: dict[int, Location] = {}  # forward op index -> mirrored location
         self.node_key: Any = None
         self.bsub = 0
+        self._modes: tuple[_FunctionMode, _DispatchMode] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, base: types.FrameType) -> None:
+        """Start recording ops in this thread; locations are relative to frame ``base``."""
+        if getattr(_active, "recorder", None) is not None:
+            raise RecordError("a recording is already active in this thread; recordings do not nest")
+        self.base = base
+        self.trace.outside_loops = loops_around(base)
+        fmode, dmode = _FunctionMode(self), _DispatchMode(self)
+        fmode.__enter__()
+        try:
+            dmode.__enter__()
+        except BaseException:
+            fmode.__exit__(None, None, None)
+            raise
+        self._modes = (fmode, dmode)
+        _active.recorder = self
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stop recording; the trace is complete, or failed if ``error`` is given."""
+        if self._modes is None:
+            return
+        fmode, dmode = self._modes
+        self._modes = None
+        try:
+            dmode.__exit__(None, None, None)
+        finally:
+            fmode.__exit__(None, None, None)
+            _active.recorder = None
+            self.trace.status = "failed" if error is not None else "complete"
+            self.trace.error = error
+            self.held.clear()
+            self.vmap = _TensorMap()
+            self.first_use = WeakIdKeyDictionary()
+            self.base = None
+
+    # -- hooks ----------------------------------------------------------------------------
+    def execute(self, rec: OpRecord, func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple | None]:
+        """Run the op. Returns its result and, if known, which input each output aliases
+        (None: find out from the real storages)."""
+        return func(*args, **kwargs), None
+
+    def before_fetch(self, kind: str, t: Any) -> None:
+        """Python is about to read ``t``'s data through ``kind``."""
+
+    def storage_key(self, t: torch.Tensor) -> int | None:
+        """An identity for the storage behind ``t`` (None if it has none)."""
+        try:
+            return t.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            return None
 
     # -- values -------------------------------------------------------------------------
     def _new_storage(self) -> int:
@@ -92,17 +149,13 @@ class _Recorder:
         vid = self.vmap.get(t)
         if vid is not None:
             return vid
-        try:
-            st = t.untyped_storage()
-            addr = st._cdata
-        except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, ...)
-            st, addr = None, None
+        addr = self.storage_key(t)
         sid = self.ext_storage.get(addr) if addr is not None else None
         if sid is None:
             sid = self._new_storage()
-            if st is not None:
+            if addr is not None:
                 self.ext_storage[addr] = sid
-                self.held.append(st)  # its address must not be reused while we map it
+                self.held.append(t)  # the storage's address must not be reused while mapped
         vid = self._new_value(None, 0, t, sid)
         self.trace.externals.append(vid)
         return vid
@@ -176,58 +229,57 @@ class _Recorder:
             for pos, t in enumerate(tensors):
                 if t.requires_grad and t.is_leaf and t not in first_use:
                     first_use[t] = (index, pos)
+        writes = tuple(i for i, arg in enumerate(owner) if arg in sch.writes)
+        rec = OpRecord(
+            index=index,
+            key=OpKey(func, attrs, metas, loc),
+            inputs=inputs,
+            outputs=(),
+            writes=writes,
+            python_result=False,
+            backward_of=backward_of,
+        )
 
-        out = func(*args, **kwargs)
+        out, alias = self.execute(rec, func, args, kwargs)
 
         values = self.trace.values
-        in_storage = {}
-        for t, vid in zip(tensors, inputs):
-            try:
-                in_storage[t.untyped_storage()._cdata] = values[vid].storage
-            except (RuntimeError, NotImplementedError):
-                pass
         results = _flatten_result(out)
+        if alias is None:
+            alias = self._aliases(tensors, results)
         outputs = []
         returned = set()
-        for t in results:
+        for t, a in zip(results, alias):
             returned.add(id(t))
-            try:
-                sid = in_storage.get(t.untyped_storage()._cdata)
-            except (RuntimeError, NotImplementedError):
-                sid = None
-            if sid is None:
-                sid = self._new_storage()
+            sid = values[inputs[a]].storage if a is not None else self._new_storage()
             outputs.append(self._new_value(index, len(outputs), t, sid))
-        writes = tuple(i for i, arg in enumerate(owner) if arg in sch.writes)
+        n_returned = len(outputs)
         for i in writes:  # a mutated argument not returned still has a new value now
             t = tensors[i]
             if id(t) not in returned:
                 outputs.append(self._new_value(index, len(outputs), t, values[inputs[i]].storage))
-        python_result = out is not None and not results and not isinstance(out, (tuple, list))
-        self.trace.ops.append(
-            OpRecord(
-                index=index,
-                key=OpKey(func, attrs, metas, loc),
-                inputs=inputs,
-                outputs=tuple(outputs),
-                writes=writes,
-                python_result=python_result,
-                backward_of=backward_of,
-            )
-        )
+                alias = (*alias, i)
+        rec.outputs = tuple(outputs)
+        rec.out_alias = tuple(alias)
+        rec.n_returned = n_returned
+        rec.python_result = out is not None and not results and not isinstance(out, (tuple, list))
+        self.trace.ops.append(rec)
         return out
+
+    def _aliases(self, tensors: list[torch.Tensor], results: list[torch.Tensor]) -> tuple:
+        """For each output, the input whose storage it shares (checked on the real storages,
+        so unannotated aliasing such as ``_unsafe_view`` is caught)."""
+        in_storage: dict[int, int] = {}
+        for pos, t in enumerate(tensors):
+            key = self.storage_key(t)
+            if key is not None:
+                in_storage.setdefault(key, pos)
+        return tuple(
+            in_storage.get(self.storage_key(t)) if in_storage else None for t in results
+        )
 
     def on_fetch(self, kind: str, t: Any, loc: Location) -> None:
         vid = self.value_of(t) if isinstance(t, torch.Tensor) else None
         self.trace.fetches.append(Fetch(kind, vid, len(self.trace.ops), loc))
-
-    def finish(self, error: BaseException | None) -> None:
-        self.trace.status = "failed" if error is not None else "complete"
-        self.trace.error = error
-        self.held.clear()
-        self.vmap = _TensorMap()
-        self.first_use = WeakIdKeyDictionary()
-        self.base = None  # type: ignore[assignment]
 
 
 class _TensorMap:
@@ -277,7 +329,7 @@ def _flatten_result(out: Any) -> list[torch.Tensor]:
 
 
 class _FunctionMode(TorchFunctionMode):
-    def __init__(self, rec: _Recorder) -> None:
+    def __init__(self, rec: Recorder) -> None:
         super().__init__()
         self.rec = rec
 
@@ -289,7 +341,9 @@ class _FunctionMode(TorchFunctionMode):
         loc = rec.capture(sys._getframe(1))
         kind = FETCH_CALLS.get(func)
         if kind is not None:
-            rec.on_fetch(kind, args[0] if args else None, loc)
+            target = args[0] if args else None
+            rec.on_fetch(kind, target, loc)
+            rec.before_fetch(kind, target)
             rec.suppress += 1
             try:
                 return func(*args, **kwargs)
@@ -304,7 +358,7 @@ class _FunctionMode(TorchFunctionMode):
 
 
 class _DispatchMode(TorchDispatchMode):
-    def __init__(self, rec: _Recorder) -> None:
+    def __init__(self, rec: Recorder) -> None:
         super().__init__()
         self.rec = rec
 
@@ -331,39 +385,23 @@ class record:
     ``with record() as trace: train_step()`` runs the step eagerly, unchanged, and fills
     ``trace``. If the block raises, the exception propagates and the trace is marked failed, so
     :meth:`TraceGraph.merge` refuses it. Recording is per thread and does not nest.
+
+    Op locations are relative to the frame of the ``with`` statement: record a step from the
+    same place each time for its traces to match.
     """
 
     def __init__(self) -> None:
         self.trace = Trace()
-        self._rec: _Recorder | None = None
-        self._modes: tuple[_FunctionMode, _DispatchMode] | None = None
+        self._rec: Recorder | None = None
 
     def __enter__(self) -> Trace:
-        if getattr(_active, "recorder", None) is not None:
-            raise RecordError("record() is already active in this thread; recordings do not nest")
         if self._rec is not None:
             raise RecordError("this record() was already used; create a new one for each step")
-        base = sys._getframe(1)
-        self.trace.outside_loops = loops_around(base)
-        self._rec = _Recorder(self.trace, base)
-        fmode, dmode = _FunctionMode(self._rec), _DispatchMode(self._rec)
-        fmode.__enter__()
-        try:
-            dmode.__enter__()
-        except BaseException:
-            fmode.__exit__(None, None, None)
-            raise
-        self._modes = (fmode, dmode)
-        _active.recorder = self._rec
+        self._rec = Recorder(self.trace)
+        self._rec.start(sys._getframe(1))
         return self.trace
 
     def __exit__(self, et, ev, tb) -> bool:  # noqa: ANN001
-        assert self._modes is not None and self._rec is not None
-        fmode, dmode = self._modes
-        try:
-            dmode.__exit__(et, ev, tb)
-        finally:
-            fmode.__exit__(et, ev, tb)
-            _active.recorder = None
-            self._rec.finish(ev)
+        assert self._rec is not None
+        self._rec.stop(ev)
         return False

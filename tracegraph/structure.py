@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .location import ACC, BWD, CODES, Location
+from .trace import Fetch
 
 if TYPE_CHECKING:
-    from .trace import Fetch, Item, Trace
+    from .trace import Item, Trace
 
 LoopKey = tuple  # (location prefix, code id, header offset)
 
@@ -107,6 +108,16 @@ def _restart_loop(
     return None
 
 
+@dataclass(frozen=True)
+class LoopEvent:
+    """How placing one op changed the open loops: the first ``keep`` stay open (the others
+    closed), the last kept one starts a new iteration if ``restart``, then ``opened`` open."""
+
+    keep: int
+    restart: bool
+    opened: tuple[LoopKey, ...]
+
+
 class LoopTracker:
     """Places items one at a time into a tree of :class:`Loop` s.
 
@@ -123,7 +134,7 @@ class LoopTracker:
     def _current(self) -> list["Item"]:
         return self._open[-1].iterations[-1] if self._open else self.root
 
-    def add_op(self, index: int, loc: Location) -> None:
+    def add_op(self, index: int, loc: Location) -> LoopEvent:
         loops = enclosing_loops(loc, self.outside)
         keep = 0
         while keep < len(self._open) and keep < len(loops) and self._open[keep].key == loops[keep][0]:
@@ -142,30 +153,42 @@ class LoopTracker:
         del self._open[keep:]
         if new_iteration is not None:
             new_iteration.iterations.append([])
-        for key, _depth in loops[keep:]:
+        opened = tuple(key for key, _depth in loops[keep:])
+        for key in opened:
             loop = Loop(key, [[]])
             self._current().append(loop)
             self._open.append(loop)
         self._current().append(index)
         self._prev = loc
+        return LoopEvent(keep, new_iteration is not None, opened)
 
-    def add_fetch(self, fetch: "Fetch") -> None:
-        """A fetch goes where Python is: it closes loops it is not in, opens none."""
+    def add_fetch(self, fetch: "Fetch") -> int:
+        """A fetch goes where Python is: it closes loops it is not in, opens none. Returns the
+        number of loops still open."""
         inside = {key for key, _ in enclosing_loops(fetch.loc, self.outside)}
         while self._open and self._open[-1].key not in inside:
             self._open.pop()
         self._current().append(fetch)
+        return len(self._open)
 
 
-def build_items(trace: "Trace") -> list["Item"]:
-    tracker = LoopTracker(trace.outside_loops)
+def in_order(trace: "Trace"):
+    """The trace's ops and fetches in the order they happened."""
     fetches = sorted(trace.fetches, key=lambda f: f.after)
     fi = 0
     for op in trace.ops:
         while fi < len(fetches) and fetches[fi].after <= op.index:
-            tracker.add_fetch(fetches[fi])
+            yield fetches[fi]
             fi += 1
-        tracker.add_op(op.index, op.key.loc)
-    for f in fetches[fi:]:
-        tracker.add_fetch(f)
+        yield op
+    yield from fetches[fi:]
+
+
+def build_items(trace: "Trace") -> list["Item"]:
+    tracker = LoopTracker(trace.outside_loops)
+    for x in in_order(trace):
+        if isinstance(x, Fetch):
+            tracker.add_fetch(x)
+        else:
+            tracker.add_op(x.index, x.key.loc)
     return tracker.root

@@ -80,6 +80,8 @@ class OpRecord:
     writes: tuple[int, ...]  # positions in ``inputs`` the op mutates
     python_result: bool  # returns a Python value read from tensor data: a fetch
     backward_of: int | None  # for a gradient op: the forward op it differentiates
+    out_alias: tuple[int | None, ...] = ()  # per output: position in ``inputs`` it shares storage with
+    n_returned: int = 0  # outputs the op returned (the rest are written arguments)
 
     @property
     def func(self) -> torch._ops.OpOverload:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tracegraph import IncompleteTraceError, TraceGraph, record
-from tracegraph.graph import EXT, LOOP, _Walk
+from tracegraph.graph import EXT, LOOP, Cursor
 
 
 def rec(fn, *args):
@@ -129,7 +129,7 @@ def test_merge_is_all_or_nothing(monkeypatch):
     g.merge(rec(figure_3_2, True, 2))
     before = fingerprint(g)
     calls = {"n": 0}
-    original = _Walk.op
+    original = Cursor.match_op
 
     def failing_op(self, *args):
         calls["n"] += 1
@@ -137,7 +137,7 @@ def test_merge_is_all_or_nothing(monkeypatch):
             raise KeyboardInterrupt
         return original(self, *args)
 
-    monkeypatch.setattr(_Walk, "op", failing_op)
+    monkeypatch.setattr(Cursor, "match_op", failing_op)
     with pytest.raises(KeyboardInterrupt):
         g.merge(rec(figure_3_2, False, 5))
     assert fingerprint(g) == before
