@@ -1,7 +1,32 @@
 """coexec: imperative-symbolic co-execution for PyTorch training loops.
 
-The user-facing runtime (``GradientTape``) is not built yet; see ``tracegraph`` for the
-recorder and TraceGraph it will stand on, and the README for the roadmap.
+>>> tape = coexec.GradientTape()
+>>> for x, y in loader:
+...     with tape:
+...         loss = loss_fn(model(x), y)
+...         loss.backward()
+...         optimizer.step()
+...     print(loss.item())
+
+The step runs eagerly while it is traced; once its trace repeats, the Python program runs as a
+skeleton and a background executor computes the ops. See the README and docs/coexec.md.
 """
 
+from .errors import (
+    CoexecError,
+    CoexecUsageError,
+    ExecutorDied,
+    ExecutorError,
+    ExecutorTimeout,
+    ValueLostError,
+)
+from .placeholder import Placeholder
+from .runtime import synchronize
+from .tape import GradientTape, TapeStats
+
 __version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CoexecError", "CoexecUsageError", "ExecutorDied", "ExecutorError", "ExecutorTimeout",
+    "GradientTape", "Placeholder", "TapeStats", "ValueLostError", "synchronize",
+]  # fmt: skip

@@ -1,2 +1,10 @@
-"""Background execution of plans: arena, op invocation without autograd, recompute,
-offload/prefetch (DESIGN.md §2). Not implemented yet."""
+"""Background execution of the ops the co-execution skeleton confirms (DESIGN.md §2, §5).
+
+``Executor`` runs a stream of instructions on its own thread without autograd: it computes
+each op on real tensors, keeps the values the skeleton still refers to, and reports errors and
+progress back. It knows nothing of graphs or Python programs; ``coexec`` drives it.
+"""
+
+from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, Run
+
+__all__ = ["Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "Run"]

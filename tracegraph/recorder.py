@@ -118,9 +118,12 @@ class Recorder:
             self.base = None
 
     # -- hooks ----------------------------------------------------------------------------
-    def execute(self, rec: OpRecord, func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple | None]:
-        """Run the op. Returns its result and, if known, which input each output aliases
-        (None: find out from the real storages)."""
+    def execute(
+        self, rec: OpRecord, func: Any, args: tuple, kwargs: dict, tensors: list
+    ) -> tuple[Any, tuple | None]:
+        """Run the op (``tensors``: its tensor arguments, flattened as in ``rec.inputs``).
+        Returns its result and, if known, which input each returned tensor aliases (None:
+        find out from the real storages)."""
         return func(*args, **kwargs), None
 
     def before_fetch(self, kind: str, t: Any) -> None:
@@ -240,7 +243,7 @@ class Recorder:
             backward_of=backward_of,
         )
 
-        out, alias = self.execute(rec, func, args, kwargs)
+        out, alias = self.execute(rec, func, args, kwargs, tensors)
 
         values = self.trace.values
         results = _flatten_result(out)

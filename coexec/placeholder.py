@@ -1,0 +1,92 @@
+"""Placeholder tensors: what ops return while the skeleton runs (DESIGN.md §4).
+
+A placeholder has a tensor's metadata and no data; autograd runs on placeholders like on any
+tensor. When the executor has produced its value, the placeholder is *bound* to it, and from
+then on it behaves as that real tensor everywhere: ops on it compute on the real tensor, data
+access (``.numpy()``, ``.tolist()``, printing, pickling) reads the real tensor. So a placeholder
+that escapes the step (a loss in a user's list, a carried hidden state) just works afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from tracegraph.schema import TensorMeta
+
+from .errors import ValueLostError
+
+if TYPE_CHECKING:
+    from .skeleton import Session
+
+_TB = torch._C.TensorBase
+# Methods that read the data without an ATen op: they run on the bound real tensor.
+_DATA_ACCESS = frozenset(
+    {
+        _TB.numpy, _TB.tolist, _TB.data_ptr, _TB.untyped_storage, torch.Tensor._typed_storage,
+        torch.Tensor.__array__, torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__,
+        torch.Tensor.storage, torch.Tensor.__dlpack__, torch.Tensor.__dlpack_device__,
+    }
+)  # fmt: skip
+
+
+class Placeholder(torch.Tensor):
+    """A tensor whose value the executor computes (see the module docstring)."""
+
+    _session: "Session | None"
+    _vid: int
+    _real: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, meta: TensorMeta, session: "Session | None", vid: int) -> "Placeholder":
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            storage_offset=0,
+            dtype=meta.dtype,
+            device=meta.device,
+            layout=meta.layout,
+            requires_grad=False,  # autograd sets it above the dispatcher, as for any op output
+        )
+        t._session = session
+        t._vid = vid
+        t._real = None
+        return t
+
+    def real(self) -> torch.Tensor:
+        """The real tensor, waiting for the executor to produce it if needed."""
+        r = self._real
+        if r is None:
+            if self._session is None:
+                raise ValueLostError("this placeholder's value was never computed")
+            r = self._session.resolve(self)
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func in _DATA_ACCESS:
+            return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        if func is torch.Tensor.__format__:
+            self, spec = args[0], args[1]
+            if self.dim() == 0:
+                return self.real().detach().item().__format__(spec)
+            return object.__format__(self, spec)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+# printing uses the type's name as its prefix: a placeholder prints as ``tensor(...)`` like the
+# tensor it stands for (the class keeps its qualified name for debugging).
+Placeholder.__name__ = "tensor"
+
+
+def _unwrap(x: Any) -> Any:
+    return x.real() if isinstance(x, Placeholder) else x

@@ -1,0 +1,308 @@
+"""The skeleton: the user's step runs as Python while ops go to the executor.
+
+:class:`Skeleton` is a :class:`tracegraph.Recorder` whose ops do not compute: each op is
+matched against the TraceGraph (a :class:`tracegraph.Cursor`), sent to the executor, and
+answered with placeholders whose metadata comes from the matched node. The step's trace is
+recorded as in the tracing phase, so after a fallback the same trace goes on eagerly and is
+merged at the end.
+
+Fallback (DESIGN.md §4): when an op does not match, the executor finishes exactly the ops
+confirmed so far, every placeholder is bound to its value, and the rest of the step runs
+eagerly while it is recorded. Autograd's graph of the prefix is built on placeholders, which
+now compute on their real values, so ``backward()`` just works.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+
+from executor import Executor, ExecutorError, Free, Run
+from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
+from tracegraph.schema import TensorMeta, schema_of
+
+from .errors import ValueLostError
+from .placeholder import Placeholder
+from .tracebacks import attach_issue_traceback
+
+_session_ids = itertools.count(1)
+_VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
+
+
+class Session:
+    """A step's link to the executor: its placeholders and where their values come from."""
+
+    def __init__(self, executor: Executor, timeout: float) -> None:
+        self.executor = executor
+        self.timeout = timeout
+        self.base = next(_session_ids) * _VID_SPACE
+        self.live: dict[int, weakref.ref] = {}  # id(placeholder) -> weak reference
+        self.produced_at: dict[int, int] = {}  # trace value id -> executor position
+        self.dead: list[int] = []  # executor value ids of placeholders that died
+        self.open = True
+
+    def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
+        ph = Placeholder(meta, self, vid)
+        self.produced_at[vid] = position
+        cell = ph._cell = [vid]  # the current value id, read when the placeholder dies
+        key = id(ph)
+
+        def died(_ref: weakref.ref) -> None:
+            # runs wherever the last reference goes, possibly mid-way through our own code:
+            # only note it; the Free goes out with the next submission
+            self.live.pop(key, None)
+            if self.open:
+                self.dead.append(self.base + cell[0])
+
+        self.live[key] = weakref.ref(ph, died)
+        return ph
+
+    def retarget(self, ph: Placeholder, vid: int, position: int) -> None:
+        """An in-place op made a new value of ``ph``'s tensor."""
+        ph._vid = ph._cell[0] = vid
+        self.produced_at[vid] = position
+
+    def submit(self, ins: Any) -> int:
+        if self.dead:
+            dead, self.dead = self.dead, []
+            self.executor.submit(Free(tuple(dead)))
+        return self.executor.submit(ins)
+
+    def resolve(self, ph: Placeholder) -> torch.Tensor:
+        """Wait for ``ph``'s value and bind it."""
+        if ph._real is not None:
+            return ph._real
+        position = self.produced_at.get(ph._vid)
+        if position is None or not self.open and self.executor.values.get(self.base + ph._vid) is None:
+            raise ValueLostError(
+                "this tensor's value was never computed: the step that made it failed before "
+                "its op ran"
+            )
+        self.executor.wait(position, self.timeout)
+        real = self.executor.values.get(self.base + ph._vid)
+        if real is None:
+            raise ValueLostError("this tensor's value was never computed")
+        ph._real = real
+        return real
+
+    def bind_all(self) -> None:
+        """After the executor drained: every live placeholder gets its value."""
+        values = self.executor.values
+        for ref in list(self.live.values()):
+            ph = ref()
+            if ph is not None and ph._real is None:
+                ph._real = values.get(self.base + ph._vid)
+
+    def close(self) -> None:
+        """Values now live in the placeholders; the executor's table can let go of them."""
+        self.open = False
+        values = self.executor.values
+        for k in [k for k in values if self.base <= k < self.base + _VID_SPACE]:
+            del values[k]
+        self.dead.clear()
+
+
+class Skeleton(Recorder):
+    """Records the step while matching it against ``graph`` and sending ops to the executor."""
+
+    def __init__(self, graph: TraceGraph, session: Session) -> None:
+        super().__init__()
+        self.graph = graph
+        self.session = session
+        self.cursor: Cursor | None = None
+        self.eager = False
+        self.fallback_reason: str | None = None
+        self.optimizers: list[Any] = []
+
+    def start(self, base: Any) -> None:
+        super().start(base)
+        self.cursor = Cursor(self.graph, self.trace, mutate=False)  # after outside_loops is set
+
+    # -- ops ------------------------------------------------------------------------------
+    def execute(
+        self, rec: OpRecord, func: Any, args: tuple, kwargs: dict, tensors: list
+    ) -> tuple[Any, tuple | None]:
+        if self.eager:
+            return super().execute(rec, func, args, kwargs, tensors)
+        session = self.session
+        if session.executor.error is not None:
+            raise_executor_error(session.executor.error)
+        try:
+            node = self.cursor.op(rec)
+        except NotCovered as e:
+            self.fall_back(str(e))
+            return super().execute(rec, func, args, kwargs, tensors)
+
+        base, first, n_ret = session.base, len(self.trace.values), node.n_returned
+        plan = _returns(func)
+        # the flattened outputs as the recorder numbers them (value ids first, first+1, ...):
+        # returned tensors, then arguments written in place and not returned
+        slots: list[Any] = []  # the written argument itself, or None for a new tensor
+        n_list = n_ret - sum(1 for kind, _ in plan if kind in ("w", "t"))
+        for kind, i in plan:
+            if kind == "w":
+                slots.append(args[i] if i < len(args) else kwargs[func._schema.arguments[i].name])
+            elif kind == "t":
+                slots.append(None)
+            elif kind == "tl":
+                slots.extend([None] * n_list)
+        returned = {id(x) for x in slots if x is not None}
+        slots.extend(tensors[p] for p in rec.writes if id(tensors[p]) not in returned)
+        moves = [
+            (x, base + first + j)
+            for j, x in enumerate(slots)
+            if isinstance(x, Placeholder) and x._session is session and x._real is None
+        ]
+        ins_args, ins_kwargs, refs = _encode(args, kwargs, session)
+        data_dependent = any(kind == "py" for kind, _ in plan) or schema_of(func).dynamic_shape
+        position = session.submit(
+            Run(
+                func, ins_args, ins_kwargs, refs,
+                tuple(base + first + j for j in range(n_ret)),
+                tuple((base + x._vid, new) for x, new in moves),
+                rec.index, rec.key.loc, data_dependent,
+            )
+        )  # fmt: skip
+        for x, new in moves:
+            session.retarget(x, new - base, position)
+        if data_dependent:  # Python needs the result (or its shape) now: a fetch
+            session.executor.wait(position, session.timeout)
+            return session.executor.results.pop(rec.index), None
+
+        metas = node.out_metas
+        made = [
+            x if x is not None else session.new_placeholder(metas[j], first + j, position)
+            for j, x in enumerate(slots[:n_ret])
+        ]
+        out: list[Any] = []
+        j = 0
+        for kind, _ in plan:
+            if kind == "tl":
+                out.append(made[j : j + n_list])
+                j += n_list
+            elif kind in ("w", "t"):
+                out.append(made[j])
+                j += 1
+        if not plan:
+            return None, ()
+        return (out[0] if len(plan) == 1 else tuple(out)), node.out_alias[:n_ret]
+
+    def storage_key(self, t: torch.Tensor) -> int | None:
+        if isinstance(t, Placeholder):
+            if t._real is None:
+                return None  # a placeholder of this step: its storage is the node's business
+            t = t._real
+        return super().storage_key(t)
+
+    # -- fetches --------------------------------------------------------------------------
+    def on_fetch(self, kind: str, t: Any, loc: Any) -> None:
+        super().on_fetch(kind, t, loc)
+        if not self.eager:
+            try:
+                self.cursor.fetch(self.trace.fetches[-1])
+            except NotCovered as e:
+                self.fall_back(str(e))
+
+    def before_fetch(self, kind: str, t: Any) -> None:
+        if self.eager:
+            return
+        session = self.session
+        if isinstance(t, Placeholder) and t._session is session and kind not in ("numpy", "cpu"):
+            session.resolve(t)
+        else:
+            # a real tensor, or a writable view of the data: everything issued must be done
+            self.sync()
+            if isinstance(t, Placeholder):
+                t.real()
+
+    # -- control --------------------------------------------------------------------------
+    def sync(self) -> None:
+        self.session.executor.drain(self.session.timeout)
+
+    def fall_back(self, reason: str) -> None:
+        """Finish the confirmed prefix, bind placeholders, go on eagerly."""
+        self.eager = True
+        self.fallback_reason = reason
+        self.sync()
+        self.session.bind_all()
+
+    def finish(self) -> bool:
+        """The step's Python is done: True if its path (up to ``end``) is in the graph."""
+        covered = not self.eager
+        if covered:
+            try:
+                self.cursor.finish()
+            except NotCovered:
+                covered = False
+        return covered
+
+    def leaves(self) -> list[torch.Tensor]:
+        return list(self.first_use.keys())
+
+
+def raise_executor_error(err: ExecutorError) -> None:
+    raise attach_issue_traceback(err, err.location)
+
+
+def _encode(args: tuple, kwargs: dict, session: Session) -> tuple[list, dict, tuple]:
+    """Arguments for the executor: this step's placeholders become value-id references, other
+    steps' placeholders their real tensors."""
+    refs = []
+    out_args = list(args)
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            out_args[i] = _ref(a, i, -1, refs, session)
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, Placeholder) for x in a):
+            out_args[i] = [
+                _ref(x, i, j, refs, session) if isinstance(x, torch.Tensor) else x
+                for j, x in enumerate(a)
+            ]
+    out_kwargs = dict(kwargs)
+    for name, a in kwargs.items():
+        if isinstance(a, torch.Tensor):
+            out_kwargs[name] = _ref(a, name, -1, refs, session)
+    return out_args, out_kwargs, tuple(refs)
+
+
+def _ref(t: torch.Tensor, arg: Any, item: int, refs: list, session: Session) -> Any:
+    if isinstance(t, Placeholder):
+        if t._session is session and t._real is None:
+            refs.append((arg, item, session.base + t._vid))
+            return None
+        return t.real()
+    return t
+
+
+_RETURN_PLANS: dict[Any, tuple] = {}
+
+
+def _returns(func: Any) -> tuple:
+    """How to build an op's result: per schema return, ``("w", arg)`` the written argument
+    itself, ``("t", -1)`` a tensor, ``("tl", -1)`` a list of tensors, ``("py", -1)`` a
+    Python value."""
+    plan = _RETURN_PLANS.get(func)
+    if plan is None:
+        sch = func._schema
+        items = []
+        for r in sch.returns:
+            ty = r.type
+            if isinstance(ty, torch.TensorType):
+                ai = r.alias_info
+                if ai is not None and ai.is_write:
+                    arg = next(
+                        i
+                        for i, a in enumerate(sch.arguments)
+                        if a.alias_info is not None and a.alias_info.before_set == ai.before_set
+                    )
+                    items.append(("w", arg))
+                else:
+                    items.append(("t", -1))
+            elif isinstance(ty, torch.ListType) and isinstance(ty.getElementType(), torch.TensorType):
+                items.append(("tl", -1))
+            else:
+                items.append(("py", -1))
+        plan = _RETURN_PLANS[func] = tuple(items)
+    return plan

@@ -1,0 +1,306 @@
+"""``GradientTape``: the context manager a training step runs in.
+
+Every ``with`` statement is one *program*: its TraceGraph, its phase and statistics are kept
+per code location, so ``with coexec.GradientTape() as tape:`` written inside the loop (a new
+tape each step, as with ``tf.GradientTape``) and a tape created once and reused share them.
+
+Phases (DESIGN.md §1): **tracing** runs the step eagerly while recording it, until a step's
+trace is already covered by the graph; **coexec** runs the step as a skeleton with the
+executor; a step that leaves the graph falls back to eager for its rest, and its trace is
+merged. After ``max_traces`` new traces a program stays **eager** and says why, once.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from executor import ExecutorDied, ExecutorError, ExecutorTimeout
+from tracegraph import Recorder, TraceGraph
+from tracegraph.location import CODES
+
+from . import runtime
+from .errors import CoexecUsageError
+from .skeleton import Session, Skeleton, raise_executor_error
+
+PHASES = ("tracing", "coexec", "eager")
+SYNC_POLICIES = ("step", "none")
+BACKENDS = ("interpret",)
+
+
+@dataclass
+class TapeStats:
+    """What a program has done so far (shared by every tape of one ``with`` statement)."""
+
+    steps: int = 0
+    traces: int = 0  # traces that added to the TraceGraph (tracing phase and fallbacks)
+    fallbacks: int = 0  # co-executed steps that left the graph and finished eagerly
+    coexec_steps: int = 0  # steps co-executed from start to end
+    phase: str = "tracing"  # the phase the next step runs in
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    last_fallback: str | None = None  # why the latest fallback happened
+
+
+class Program:
+    """Everything kept for one ``with`` statement."""
+
+    def __init__(self, code: Any, where: str) -> None:
+        self.code = code  # keeps the code object (and so the registry key) alive
+        self.where = where
+        self.graph = TraceGraph()
+        self.stats = TapeStats()
+        self.capped = False
+
+
+_programs: dict[tuple[int, int], Program] = {}
+_local = threading.local()  # .tape: the tape whose block is running in this thread
+
+
+class GradientTape:
+    """Run a training step with coexec; drop-in for a ``tf.GradientTape``-style block.
+
+    >>> tape = coexec.GradientTape()
+    >>> for x, y in loader:
+    ...     with tape:
+    ...         loss = loss_fn(model(x), y)
+    ...         tape.gradient(loss, model.parameters())   # or loss.backward()
+    ...         optimizer.step()
+    ...     print(loss.item())
+
+    Options: ``max_traces`` (new traces after which the program stays eager), ``sync``
+    (``"step"``: wait for the step's work when the block exits, the default; ``"none"``: let it
+    run on, call :func:`coexec.synchronize` before reading model state outside a step),
+    ``backend`` (``"interpret"``), ``timeout`` (seconds any wait on the executor may take
+    before it becomes an error), ``debug`` (print phase changes and fallbacks to stderr).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_traces: int = 10,
+        sync: str = "step",
+        backend: str = "interpret",
+        timeout: float = 300.0,
+        debug: bool = False,
+    ) -> None:
+        if not isinstance(max_traces, int) or max_traces < 1:
+            raise ValueError(f"max_traces must be a positive int, got {max_traces!r}")
+        if sync not in SYNC_POLICIES:
+            raise ValueError(f"sync must be one of {SYNC_POLICIES}, got {sync!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.max_traces = max_traces
+        self.sync = sync
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.debug = debug
+        self._thread = threading.get_ident()
+        self._program: Program | None = None
+        self._step: _Step | None = None
+
+    # -- context manager ------------------------------------------------------------------
+    def __enter__(self) -> "GradientTape":
+        self._check_thread("enter")
+        if getattr(_local, "tape", None) is not None:
+            raise CoexecUsageError(
+                "GradientTape blocks do not nest: a tape is already active in this thread "
+                f"(entered at {_local.tape._program.where})"
+            )
+        frame = sys._getframe(1)
+        key = (id(frame.f_code), frame.f_lasti)
+        program = _programs.get(key)
+        if program is None:
+            cid = CODES.code_id(frame.f_code)
+            where = CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
+            program = _programs[key] = Program(frame.f_code, where)
+        self._program = program
+        self._step = _Step(self, program, frame)
+        _local.tape = self
+        return self
+
+    def __exit__(self, et, ev, tb) -> bool:  # noqa: ANN001
+        step, self._step = self._step, None
+        _local.tape = None
+        assert step is not None
+        step.end(ev)
+        return False
+
+    # -- API ------------------------------------------------------------------------------
+    def gradient(
+        self,
+        target: torch.Tensor,
+        sources: torch.Tensor | Iterable[torch.Tensor],
+        output_gradients: torch.Tensor | None = None,
+        *,
+        retain_graph: bool | None = None,
+    ) -> Any:
+        """Gradients of ``target`` with respect to ``sources`` (a tensor or an iterable, like
+        ``model.parameters()``), as ``tf.GradientTape.gradient``: a list (or one tensor),
+        None for a source the target does not depend on. Leaf sources also get the gradient
+        accumulated into ``.grad``, so a PyTorch optimizer can step next."""
+        self._check_thread("gradient")
+        single = isinstance(sources, torch.Tensor)
+        srcs = [sources] if single else list(sources)
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(f"gradient(): target must be a tensor, got {type(target).__name__}")
+        if not srcs:
+            raise CoexecUsageError("gradient(): sources is empty")
+        if output_gradients is None and target.numel() != 1:
+            raise CoexecUsageError(
+                f"gradient(): the target has shape {tuple(target.shape)}; a non-scalar target "
+                "needs output_gradients (the gradient flowing into it, like grad_outputs of "
+                "torch.autograd.grad)"
+            )
+        idx = [i for i, s in enumerate(srcs) if s.requires_grad]
+        grads: list[Any] = [None] * len(srcs)
+        if idx:
+            found = torch.autograd.grad(
+                target, [srcs[i] for i in idx], grad_outputs=output_gradients,
+                retain_graph=retain_graph, allow_unused=True,
+            )  # fmt: skip
+            for i, g in zip(idx, found):
+                grads[i] = g
+        with torch.no_grad():
+            for s, g in zip(srcs, grads):
+                if g is not None and s.is_leaf:
+                    if s.grad is None:
+                        s.grad = g
+                    else:
+                        s.grad.add_(g)
+        return grads[0] if single else grads
+
+    @property
+    def stats(self) -> TapeStats:
+        """A snapshot of the program's statistics (all tapes of this ``with`` statement)."""
+        if self._program is None:
+            return TapeStats()
+        s = self._program.stats
+        return replace(s, seconds=dict(s.seconds))
+
+    @property
+    def graph(self) -> TraceGraph | None:
+        """The program's TraceGraph (for inspection: ``tape.graph.to_dot()``)."""
+        return self._program.graph if self._program is not None else None
+
+    def _check_thread(self, what: str) -> None:
+        if threading.get_ident() != self._thread:
+            raise CoexecUsageError(
+                f"this GradientTape was created in another thread; {what} it in the thread that "
+                "created it (use one tape per thread)"
+            )
+
+
+class _Step:
+    """One run of a ``with`` block in the program's current phase."""
+
+    def __init__(self, tape: GradientTape, program: Program, frame: Any) -> None:
+        self.tape = tape
+        self.program = program
+        self.phase = program.stats.phase
+        self.t0 = time.perf_counter()
+        self.rec: Recorder | None = None
+        self.session: Session | None = None
+        if self.phase == "tracing":
+            self.rec = Recorder()
+            self.rec.start(frame)
+        elif self.phase == "coexec":
+            ex = runtime.executor()
+            if ex.error is not None or not ex.alive:
+                ex.reset()
+            self.session = Session(ex, tape.timeout)
+            self.rec = Skeleton(program.graph, self.session)
+            self.rec.start(frame)
+            runtime.set_active_skeleton(self.rec)
+
+    def end(self, error: BaseException | None) -> None:
+        stats = self.program.stats
+        stats.steps += 1
+        try:
+            if self.phase == "tracing":
+                self.rec.stop(error)
+                if error is None:
+                    self._merge(self.rec.trace, fell_back=False)
+            elif self.phase == "coexec":
+                self._end_coexec(error)
+        finally:
+            stats.seconds[self.phase] += time.perf_counter() - self.t0
+
+    def _end_coexec(self, error: BaseException | None) -> None:
+        sk = self.rec
+        assert isinstance(sk, Skeleton) and self.session is not None
+        runtime.set_active_skeleton(None)
+        covered = sk.finish() if error is None else False
+        leaves = sk.leaves()
+        sk.stop(error)
+        session = self.session
+        ex = session.executor
+        if error is not None:
+            # eager would have run every op issued before the exception: so does the executor
+            try:
+                ex.drain(session.timeout)
+            except (ExecutorError, ExecutorDied, ExecutorTimeout) as e:
+                error.__context__ = e
+            self._settle(session, leaves, sk.optimizers)
+            return
+        if self.tape.sync == "step" or sk.eager:
+            try:
+                ex.drain(session.timeout)
+            except ExecutorError as e:
+                self._settle(session, leaves, sk.optimizers)
+                raise_executor_error(e)
+            except (ExecutorDied, ExecutorTimeout):
+                self._settle(session, leaves, sk.optimizers)
+                raise
+            self._settle(session, leaves, sk.optimizers)
+        else:
+            runtime.open_sessions.append((session, leaves, sk.optimizers))
+        stats = self.program.stats
+        if sk.eager:
+            stats.fallbacks += 1
+            stats.last_fallback = sk.fallback_reason
+            self._log(f"fell back to eager: {sk.fallback_reason}")
+            self._merge(sk.trace, fell_back=True)
+        else:
+            stats.coexec_steps += 1
+            if not covered:
+                self._merge(sk.trace, fell_back=False)
+
+    def _settle(self, session: Session, leaves: list, optimizers: list) -> None:
+        session.bind_all()
+        runtime.unescape(leaves, optimizers)
+        session.close()
+        ex = session.executor
+        if ex.error is not None or not ex.alive or ex.done < ex.submitted:
+            ex.reset()
+
+    def _merge(self, trace: Any, fell_back: bool) -> None:
+        program, stats = self.program, self.program.stats
+        added = program.graph.merge(trace)
+        stats.traces += added
+        if stats.phase == "tracing" and not added:
+            stats.phase = "coexec"
+            self._log(f"trace covered after {stats.traces} traces: co-executing from now on")
+        elif added and stats.traces >= self.tape.max_traces:
+            stats.phase = "eager"
+            if not program.capped:
+                program.capped = True
+                warnings.warn(
+                    f"coexec: the step at {program.where} produced {stats.traces} different "
+                    f"traces (max_traces={self.tape.max_traces}); it runs eagerly from now on. "
+                    "Its control flow keeps changing; raise max_traces if it settles later.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+
+    def _log(self, msg: str) -> None:
+        if self.tape.debug:
+            print(f"coexec [{self.program.where}]: {msg}", file=sys.stderr)
