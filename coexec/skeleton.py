@@ -138,17 +138,17 @@ class Skeleton(Recorder):
 
         base, first, n_ret = session.base, len(self.trace.values), node.n_returned
         plan = _returns(func)
+        struct = node.out_struct  # per return: 1, None (undefined), n (list length), "py"
         # the flattened outputs as the recorder numbers them (value ids first, first+1, ...):
         # returned tensors, then arguments written in place and not returned
         slots: list[Any] = []  # the written argument itself, or None for a new tensor
-        n_list = n_ret - sum(1 for kind, _ in plan if kind in ("w", "t"))
-        for kind, i in plan:
+        for (kind, i), shape in zip(plan, struct):
             if kind == "w":
                 slots.append(args[i] if i < len(args) else kwargs[func._schema.arguments[i].name])
-            elif kind == "t":
+            elif shape == 1:
                 slots.append(None)
-            elif kind == "tl":
-                slots.extend([None] * n_list)
+            elif isinstance(shape, int) and not isinstance(shape, bool):
+                slots.extend([None] * shape)
         returned = {id(x) for x in slots if x is not None}
         slots.extend(tensors[p] for p in rec.writes if id(tensors[p]) not in returned)
         moves = [
@@ -157,7 +157,7 @@ class Skeleton(Recorder):
             if isinstance(x, Placeholder) and x._session is session and x._real is None
         ]
         ins_args, ins_kwargs, refs = _encode(args, kwargs, session)
-        data_dependent = any(kind == "py" for kind, _ in plan) or schema_of(func).dynamic_shape
+        data_dependent = "py" in struct or schema_of(func).dynamic_shape
         position = session.submit(
             Run(
                 func, ins_args, ins_kwargs, refs,
@@ -179,13 +179,15 @@ class Skeleton(Recorder):
         ]
         out: list[Any] = []
         j = 0
-        for kind, _ in plan:
-            if kind == "tl":
-                out.append(made[j : j + n_list])
-                j += n_list
-            elif kind in ("w", "t"):
+        for (kind, _), shape in zip(plan, struct):
+            if kind == "w" or shape == 1:
                 out.append(made[j])
                 j += 1
+            elif shape is None:
+                out.append(None)
+            else:
+                out.append(made[j : j + shape])
+                j += shape
         if not plan:
             return None, ()
         return (out[0] if len(plan) == 1 else tuple(out)), node.out_alias[:n_ret]

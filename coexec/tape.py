@@ -59,7 +59,7 @@ class Program:
         self.capped = False
 
 
-_programs: dict[tuple[int, int], Program] = {}
+_programs: dict[tuple, Program] = {}
 _local = threading.local()  # .tape: the tape whose block is running in this thread
 
 
@@ -78,7 +78,10 @@ class GradientTape:
     (``"step"``: wait for the step's work when the block exits, the default; ``"none"``: let it
     run on, call :func:`coexec.synchronize` before reading model state outside a step),
     ``backend`` (``"interpret"``), ``timeout`` (seconds any wait on the executor may take
-    before it becomes an error), ``debug`` (print phase changes and fallbacks to stderr).
+    before it becomes an error), ``debug`` (print phase changes and fallbacks to stderr),
+    ``key`` (a hashable naming the program explicitly; by default a program is the code
+    location of the ``with`` statement, so a generic training function used for two models can
+    give each its own key).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class GradientTape:
         backend: str = "interpret",
         timeout: float = 300.0,
         debug: bool = False,
+        key: Any = None,
     ) -> None:
         if not isinstance(max_traces, int) or max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {max_traces!r}")
@@ -103,6 +107,7 @@ class GradientTape:
         self.backend = backend
         self.timeout = float(timeout)
         self.debug = debug
+        self.key = key
         self._thread = threading.get_ident()
         self._program: Program | None = None
         self._step: _Step | None = None
@@ -116,7 +121,7 @@ class GradientTape:
                 f"(entered at {_local.tape._program.where})"
             )
         frame = sys._getframe(1)
-        key = (id(frame.f_code), frame.f_lasti)
+        key = ("key", self.key) if self.key is not None else (id(frame.f_code), frame.f_lasti)
         program = _programs.get(key)
         if program is None:
             cid = CODES.code_id(frame.f_code)
@@ -146,7 +151,8 @@ class GradientTape:
         """Gradients of ``target`` with respect to ``sources`` (a tensor or an iterable, like
         ``model.parameters()``), as ``tf.GradientTape.gradient``: a list (or one tensor),
         None for a source the target does not depend on. Leaf sources also get the gradient
-        accumulated into ``.grad``, so a PyTorch optimizer can step next."""
+        accumulated into ``.grad``, so a PyTorch optimizer can step next (where ``.grad`` was
+        empty it is the returned tensor itself, as ``backward()`` would store it)."""
         self._check_thread("gradient")
         single = isinstance(sources, torch.Tensor)
         srcs = [sources] if single else list(sources)
@@ -169,13 +175,10 @@ class GradientTape:
             )  # fmt: skip
             for i, g in zip(idx, found):
                 grads[i] = g
-        with torch.no_grad():
+        with torch.no_grad():  # accumulate out of place: returned gradients never change later
             for s, g in zip(srcs, grads):
                 if g is not None and s.is_leaf:
-                    if s.grad is None:
-                        s.grad = g
-                    else:
-                        s.grad.add_(g)
+                    s.grad = g if s.grad is None else s.grad + g
         return grads[0] if single else grads
 
     @property

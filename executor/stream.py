@@ -90,33 +90,28 @@ def _flatten(out: Any) -> list:
     return []
 
 
-class Executor:
-    """One background thread and its value table."""
+class _Worker:
+    """One thread with its queue, value table and counters. A worker that is abandoned (dead,
+    or stuck and replaced) keeps its own state, so it can never disturb its successor."""
 
-    def __init__(self, name: str = "coexec-executor") -> None:
-        self.name = name
+    def __init__(self, name: str) -> None:
         self.values: dict[int, Any] = {}  # value id -> tensor
         self.results: dict[int, Any] = {}  # op index -> Python result (kept on request)
         self.submitted = 0
         self.done = 0
         self.error: ExecutorError | None = None
         self.busy_seconds = 0.0
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._want: int | None = None
-        self._event = threading.Event()
-        self._thread = self._start()
-
-    def _start(self) -> threading.Thread:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.want: int | None = None
+        self.event = threading.Event()
         threads = torch.get_num_threads()
-        t = threading.Thread(target=self._loop, args=(threads,), name=self.name, daemon=True)
-        t.start()
-        return t
+        self.thread = threading.Thread(target=self.loop, args=(threads,), name=name, daemon=True)
+        self.thread.start()
 
-    # -- the thread ------------------------------------------------------------------------
-    def _loop(self, threads: int) -> None:
+    def loop(self, threads: int) -> None:
         torch.set_num_threads(threads)  # intra-op threads are per thread: match the skeleton's
         torch.set_grad_enabled(False)
-        q = self._q
+        q = self.q
         values = self.values
         while True:
             ins = q.get()
@@ -125,7 +120,7 @@ class Executor:
             t0 = time.perf_counter()
             if type(ins) is Run:
                 if self.error is None:
-                    self._run(ins, values)
+                    self.run(ins, values)
             elif type(ins) is Free:
                 for v in ins.vids:
                     values.pop(v, None)
@@ -138,11 +133,11 @@ class Executor:
                     self.error = ExecutorError("injected fault")
             self.busy_seconds += time.perf_counter() - t0
             self.done += 1
-            w = self._want
+            w = self.want
             if w is not None and self.done >= w:
-                self._event.set()
+                self.event.set()
 
-    def _run(self, ins: Run, values: dict) -> None:
+    def run(self, ins: Run, values: dict) -> None:
         args = ins.args
         kwargs = ins.kwargs
         try:
@@ -175,60 +170,76 @@ class Executor:
         if ins.keep_result:
             self.results[ins.op_index] = out
 
-    # -- the skeleton's side -------------------------------------------------------------
+
+class Executor:
+    """The background thread the skeleton feeds (replaced by a fresh one after a failure)."""
+
+    def __init__(self, name: str = "coexec-executor") -> None:
+        self.name = name
+        self._w = _Worker(name)
+
+    # the current worker's state
+    values = property(lambda self: self._w.values)
+    results = property(lambda self: self._w.results)
+    submitted = property(lambda self: self._w.submitted)
+    done = property(lambda self: self._w.done)
+    error = property(lambda self: self._w.error)
+    busy_seconds = property(lambda self: self._w.busy_seconds)
+
+    @property
+    def alive(self) -> bool:
+        return self._w.thread.is_alive()
+
     def submit(self, ins: Any) -> int:
         """Queue an instruction; returns its position (wait for it with :meth:`wait`)."""
-        self._q.put(ins)
-        self.submitted += 1
-        return self.submitted
+        w = self._w
+        w.q.put(ins)
+        w.submitted += 1
+        return w.submitted
 
     def wait(self, position: int, timeout: float) -> None:
         """Block until the instruction at ``position`` (1-based) has run.
 
         Raises the executor's error, :class:`ExecutorDied`, or :class:`ExecutorTimeout`."""
-        if self.done < position:
+        w = self._w
+        if w.done < position:
             deadline = time.monotonic() + timeout
-            self._event.clear()
-            self._want = position
+            w.event.clear()
+            w.want = position
             try:
-                while self.done < position:
+                while w.done < position:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ExecutorTimeout(
                             f"the executor did not finish the pending ops within {timeout:g} s "
-                            f"({self.done} of {position} instructions done)"
+                            f"({w.done} of {position} instructions done)"
                         )
-                    if self._event.wait(min(left, 0.5)):
-                        self._event.clear()
-                    elif not self._thread.is_alive():
+                    if w.event.wait(min(left, 0.5)):
+                        w.event.clear()
+                    elif not w.thread.is_alive():
                         raise ExecutorDied(
-                            f"the executor thread stopped with {position - self.done} "
+                            f"the executor thread stopped with {position - w.done} "
                             "instructions pending"
                         )
             finally:
-                self._want = None
-        if self.error is not None:
-            raise self.error
+                w.want = None
+        if w.error is not None:
+            raise w.error
 
     def drain(self, timeout: float) -> None:
         """Wait for everything submitted so far."""
-        self.wait(self.submitted, timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        self.wait(self._w.submitted, timeout)
 
     def reset(self) -> None:
-        """Forget values and errors; start a new thread if this one died or hangs."""
-        if self.done < self.submitted or not self._thread.is_alive():
-            self._q.put(_STOP)  # a live but stuck thread exits if it ever gets here
-            self._q = queue.SimpleQueue()
-            self.values = {}
-            self.submitted = self.done = 0
-            self._thread = self._start()
-        self.values.clear()
-        self.results.clear()
-        self.error = None
+        """Forget values and errors; a dead or stuck worker is replaced by a fresh one."""
+        w = self._w
+        if w.done < w.submitted or not w.thread.is_alive():
+            w.q.put(_STOP)  # a stuck thread exits when (if) it gets here
+            self._w = _Worker(self.name)
+        else:
+            w.values.clear()
+            w.results.clear()
+            w.error = None
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""
@@ -237,4 +248,4 @@ class Executor:
         return fault
 
     def close(self) -> None:
-        self._q.put(_STOP)
+        self._w.q.put(_STOP)

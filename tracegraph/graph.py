@@ -47,7 +47,7 @@ class Node:
 
     __slots__ = (
         "id", "kind", "region", "key", "sources", "promoted", "out_metas", "body", "trips",
-        "visits", "fetches", "enter_sources", "label", "out_alias", "n_returned",
+        "visits", "fetches", "enter_sources", "label", "out_alias", "n_returned", "out_struct",
     )  # fmt: skip
 
     def __init__(self, nid: int, kind: str, region: "Region", key: Any = None) -> None:
@@ -60,6 +60,7 @@ class Node:
         self.out_metas: tuple[TensorMeta, ...] = ()
         self.out_alias: tuple[int | None, ...] = ()  # per output: input whose storage it shares
         self.n_returned = 0  # outputs the op returns (the rest are arguments it writes)
+        self.out_struct: tuple = ()  # the shape of the op's result (see OpRecord.out_struct)
         self.body: Region | None = None  # loop nodes
         self.trips: Counter[int] = Counter()  # loop nodes: trip count -> executions seen
         self.visits = 0
@@ -470,6 +471,7 @@ class Cursor:
         node.out_metas = out_metas
         node.out_alias = rec.out_alias
         node.n_returned = rec.n_returned
+        node.out_struct = rec.out_struct
         return self.visit(node, rec, ctx)
 
     def source(self, vid: int, ctx: Ctx) -> Source:

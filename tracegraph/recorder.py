@@ -264,6 +264,7 @@ class Recorder:
         rec.outputs = tuple(outputs)
         rec.out_alias = tuple(alias)
         rec.n_returned = n_returned
+        rec.out_struct = _structure(out)
         rec.python_result = out is not None and not results and not isinstance(out, (tuple, list))
         self.trace.ops.append(rec)
         return out
@@ -283,6 +284,19 @@ class Recorder:
     def on_fetch(self, kind: str, t: Any, loc: Location) -> None:
         vid = self.value_of(t) if isinstance(t, torch.Tensor) else None
         self.trace.fetches.append(Fetch(kind, vid, len(self.trace.ops), loc))
+
+
+def _structure(out: Any) -> tuple:
+    """The shape of an op's result, per return: 1 a tensor, None an undefined tensor, an int n
+    a list of n tensors, ``"py"`` a Python value (a one-tuple for a single return)."""
+    items = out if isinstance(out, tuple) else (out,)
+    return tuple(
+        1 if isinstance(x, torch.Tensor)
+        else len(x) if isinstance(x, list)
+        else None if x is None
+        else "py"
+        for x in items
+    )  # fmt: skip
 
 
 class _TensorMap:

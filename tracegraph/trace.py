@@ -82,6 +82,7 @@ class OpRecord:
     backward_of: int | None  # for a gradient op: the forward op it differentiates
     out_alias: tuple[int | None, ...] = ()  # per output: position in ``inputs`` it shares storage with
     n_returned: int = 0  # outputs the op returned (the rest are written arguments)
+    out_struct: tuple = ()  # per schema return: 1 a tensor, None an undefined one, n a list
 
     @property
     def func(self) -> torch._ops.OpOverload:
