@@ -111,6 +111,13 @@ class _Worker:
     def loop(self, threads: int) -> None:
         torch.set_num_threads(threads)  # intra-op threads are per thread: match the skeleton's
         torch.set_grad_enabled(False)
+        # below autograd and ADInplaceOrView: the skeleton already did the autograd side of
+        # every op (graph, views, version counters); bumping versions again here, at some
+        # later moment, would break autograd's saved-tensor checks
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            self._serve(threads)
+
+    def _serve(self, threads: int) -> None:
         q = self.q
         values = self.values
         while True:
