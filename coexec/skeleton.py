@@ -15,6 +15,7 @@ now compute on their real values, so ``backward()`` just works.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from typing import Any
 
@@ -43,6 +44,18 @@ class Session:
         self.produced_at: dict[int, int] = {}  # trace value id -> executor position
         self.dead: list[int] = []  # executor value ids of placeholders that died
         self.open = True
+        self.stall_seconds = 0.0  # time the skeleton spent waiting on the executor
+
+    def wait(self, position: int) -> None:
+        """Wait (as the skeleton) for the executor to reach ``position``."""
+        t0 = time.perf_counter()
+        try:
+            self.executor.wait(position, self.timeout)
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        self.wait(self.executor.submitted)
 
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
         ph = Placeholder(meta, self, vid)
@@ -81,7 +94,7 @@ class Session:
                 "this tensor's value was never computed: the step that made it failed before "
                 "its op ran"
             )
-        self.executor.wait(position, self.timeout)
+        self.wait(position)
         real = self.executor.values.get(self.base + ph._vid)
         if real is None:
             raise ValueLostError("this tensor's value was never computed")
@@ -89,12 +102,15 @@ class Session:
         return real
 
     def bind_all(self) -> None:
-        """After the executor drained: every live placeholder gets its value."""
+        """After the executor drained: every live placeholder gets its value (and lets go of
+        the session, so a kept placeholder does not keep the step's bookkeeping alive)."""
         values = self.executor.values
         for ref in list(self.live.values()):
             ph = ref()
-            if ph is not None and ph._real is None:
-                ph._real = values.get(self.base + ph._vid)
+            if ph is not None:
+                if ph._real is None:
+                    ph._real = values.get(self.base + ph._vid)
+                ph._session = None
 
     def close(self) -> None:
         """Values now live in the placeholders; the executor's table can let go of them."""
@@ -103,10 +119,14 @@ class Session:
         for k in [k for k in values if self.base <= k < self.base + _VID_SPACE]:
             del values[k]
         self.dead.clear()
+        self.live.clear()
+        self.produced_at.clear()
 
 
 class Skeleton(Recorder):
     """Records the step while matching it against ``graph`` and sending ops to the executor."""
+
+    skip_subclass_torch_function = True
 
     def __init__(self, graph: TraceGraph, session: Session) -> None:
         super().__init__()
@@ -169,7 +189,7 @@ class Skeleton(Recorder):
         for x, new in moves:
             session.retarget(x, new - base, position)
         if data_dependent:  # Python needs the result (or its shape) now: a fetch
-            session.executor.wait(position, session.timeout)
+            session.wait(position)
             return session.executor.results.pop(rec.index), None
 
         metas = node.out_metas
@@ -222,7 +242,7 @@ class Skeleton(Recorder):
 
     # -- control --------------------------------------------------------------------------
     def sync(self) -> None:
-        self.session.executor.drain(self.session.timeout)
+        self.session.drain()
 
     def fall_back(self, reason: str) -> None:
         """Finish the confirmed prefix, bind placeholders, go on eagerly."""

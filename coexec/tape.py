@@ -46,6 +46,11 @@ class TapeStats:
     phase: str = "tracing"  # the phase the next step runs in
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     last_fallback: str | None = None  # why the latest fallback happened
+    # where co-executed steps spent their time (Terra Fig. 3.11): the skeleton waiting on the
+    # executor (fetches, the end of the step), and the executor computing
+    stall_seconds: float = 0.0
+    executor_seconds: float = 0.0
+    last_ops: int = 0  # ATen ops in the latest step
 
 
 class Program:
@@ -220,6 +225,7 @@ class _Step:
             if ex.error is not None or not ex.alive:
                 ex.reset()
             self.session = Session(ex, tape.timeout)
+            self.busy0 = ex.busy_seconds
             self.rec = Skeleton(program.graph, self.session)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
@@ -227,6 +233,8 @@ class _Step:
     def end(self, error: BaseException | None) -> None:
         stats = self.program.stats
         stats.steps += 1
+        if self.rec is not None:
+            stats.last_ops = len(self.rec.trace.ops)
         try:
             if self.phase == "tracing":
                 self.rec.stop(error)
@@ -249,14 +257,14 @@ class _Step:
         if error is not None:
             # eager would have run every op issued before the exception: so does the executor
             try:
-                ex.drain(session.timeout)
+                session.drain()
             except (ExecutorError, ExecutorDied, ExecutorTimeout) as e:
                 error.__context__ = e
             self._settle(session, leaves, sk.optimizers)
             return
         if self.tape.sync == "step" or sk.eager:
             try:
-                ex.drain(session.timeout)
+                session.drain()
             except ExecutorError as e:
                 self._settle(session, leaves, sk.optimizers)
                 raise_executor_error(e)
@@ -278,6 +286,9 @@ class _Step:
                 self._merge(sk.trace, fell_back=False)
 
     def _settle(self, session: Session, leaves: list, optimizers: list) -> None:
+        stats = self.program.stats
+        stats.stall_seconds += session.stall_seconds
+        stats.executor_seconds += max(0.0, session.executor.busy_seconds - self.busy0)
         session.bind_all()
         runtime.unescape(leaves, optimizers)
         session.close()

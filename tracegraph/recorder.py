@@ -23,7 +23,6 @@ import torch
 from torch._C._autograd import _get_sequence_nr
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .location import ACC, BSUB, BWD, CODES, SUB, UNKNOWN, Location
 from .schema import TensorMeta, schema_of
@@ -64,11 +63,15 @@ class Recorder:
     :meth:`before_fetch` runs before Python reads tensor data.
     """
 
+    # call torch functions past tensor subclasses' own __torch_function__ (the co-execution
+    # skeleton's placeholders need none: every op goes to the dispatch mode anyway)
+    skip_subclass_torch_function = False
+
     def __init__(self, trace: Trace | None = None) -> None:
         self.trace = trace if trace is not None else Trace()
         self.base: types.FrameType | None = None
         self.vmap = _TensorMap()  # tensor -> value id
-        self.first_use: WeakIdKeyDictionary = WeakIdKeyDictionary()  # leaf -> (op, input pos)
+        self.first_use = _TensorMap()  # leaf -> (op, input pos)
         self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
         self.held: list[torch.UntypedStorage] = []  # external storages, alive while recording
         self.n_storages = 0
@@ -114,7 +117,7 @@ class Recorder:
             self.trace.error = error
             self.held.clear()
             self.vmap = _TensorMap()
-            self.first_use = WeakIdKeyDictionary()
+            self.first_use = _TensorMap()
             self.base = None
 
     # -- hooks ----------------------------------------------------------------------------
@@ -230,7 +233,7 @@ class Recorder:
         if node is None:
             first_use = self.first_use
             for pos, t in enumerate(tensors):
-                if t.requires_grad and t.is_leaf and t not in first_use:
+                if t.requires_grad and t.is_leaf and first_use.get(t) is None:
                     first_use[t] = (index, pos)
         writes = tuple(i for i, arg in enumerate(owner) if arg in sch.writes)
         rec = OpRecord(
@@ -311,15 +314,19 @@ class _TensorMap:
     __slots__ = ("_d",)
 
     def __init__(self) -> None:
-        self._d: dict[int, tuple[weakref.ref, int]] = {}
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
 
-    def get(self, t: torch.Tensor) -> int | None:
+    def keys(self) -> list[torch.Tensor]:
+        """The live tensors in the map."""
+        return [t for ref, _ in self._d.values() if (t := ref()) is not None]
+
+    def get(self, t: torch.Tensor) -> Any:
         e = self._d.get(id(t))
         if e is not None and e[0]() is t:
             return e[1]
         return None
 
-    def __setitem__(self, t: torch.Tensor, vid: int) -> None:
+    def __setitem__(self, t: torch.Tensor, vid: Any) -> None:
         d = self._d
         key = id(t)
 
@@ -369,6 +376,9 @@ class _FunctionMode(TorchFunctionMode):
         saved = rec.call_loc, rec.sub
         rec.call_loc, rec.sub = loc, 0
         try:
+            if rec.skip_subclass_torch_function:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
             return func(*args, **kwargs)
         finally:
             rec.call_loc, rec.sub = saved

@@ -51,12 +51,24 @@ def _is_base(loc: Location, depth: int) -> bool:
     return depth == 0 or loc[depth - 1][0] == BWD
 
 
+_ENCLOSING: dict[tuple, list] = {}
+
+
 def enclosing_loops(loc: Location, outside: frozenset = frozenset()) -> list[tuple[LoopKey, int]]:
     """Every static loop the location is inside, outermost first, as ``(key, depth)``.
 
     ``outside`` holds ``(code id, header)`` of the loops around the recording itself (the
     training loop around the ``with`` block): in the recording's own frame they are left out.
+    Locations repeat every step, so the answer is cached.
     """
+    cache_key = (loc, outside)
+    found = _ENCLOSING.get(cache_key)
+    if found is None:
+        found = _ENCLOSING[cache_key] = _enclosing_loops(loc, outside)
+    return found
+
+
+def _enclosing_loops(loc: Location, outside: frozenset) -> list[tuple[LoopKey, int]]:
     out = []
     for depth, (cid, off) in enumerate(loc):
         if cid <= 0:
@@ -108,6 +120,10 @@ def _restart_loop(
     return None
 
 
+_RESTART: dict[tuple, LoopKey | None] = {}  # (previous loc, loc, outside) -> loop restarted
+_MISSING = object()
+
+
 @dataclass(frozen=True)
 class LoopEvent:
     """How placing one op changed the open loops: the first ``keep`` stay open (the others
@@ -141,9 +157,12 @@ class LoopTracker:
             keep += 1
         restart = None
         if self._prev is not None:
-            where = _restart_from(self._prev, loc)
-            if where is not None:
-                restart = _restart_loop(self._prev, where, self.outside)
+            pair = (self._prev, loc, self.outside)
+            restart = _RESTART.get(pair, _MISSING)
+            if restart is _MISSING:
+                where = _restart_from(self._prev, loc)
+                restart = _restart_loop(self._prev, where, self.outside) if where else None
+                _RESTART[pair] = restart
         new_iteration = None
         if restart is not None:
             for i in range(keep):

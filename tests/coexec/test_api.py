@@ -158,3 +158,46 @@ def test_stats_fields():
     s = tape.stats
     assert (s.steps, s.traces, s.fallbacks, s.coexec_steps, s.phase) == (0, 0, 0, 0, "tracing")
     assert set(s.seconds) == {"tracing", "coexec", "eager"}
+
+
+def fetching_body(model, x, y):
+    h = model(x)
+    loss = F.mse_loss(h, y)
+    reads = [
+        loss.item(), bool(loss > 0.5), float(loss), int(loss * 100), loss.tolist(),
+        h.detach().numpy().sum(), np.asarray(h.detach()).shape, repr(loss), f"{loss:.4f}",
+        h.cpu().sum().item(), h[0].tolist(), str(h.shape), len(h),
+    ]  # fmt: skip
+    loss.backward()
+    return reads
+
+
+def test_every_fetch_kind_reads_the_eager_value():
+    model, data = model_and_data()
+    ref = copy.deepcopy(model)
+    tape = coexec.GradientTape(key="fetch-kinds")
+    got = []
+    for i in range(5):
+        with tape:
+            got.append(fetching_body(model, *data[i % 3]))
+    want = [fetching_body(ref, *data[i % 3]) for i in range(5)]
+    assert tape.stats.coexec_steps >= 2 and tape.stats.fallbacks == 0
+    assert got == want
+
+
+def test_a_kept_placeholder_does_not_keep_its_step_alive():
+    import gc
+
+    from coexec.skeleton import Session
+
+    model, data = model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tape = coexec.GradientTape(key="keep-alive")
+    kept = []
+    for i in range(5):
+        kept.append(co_step(tape, model, opt, *data[i % 3], []))
+    assert isinstance(kept[-1], Placeholder)
+    assert kept[-1]._session is None and kept[-1]._real is not None
+    gc.collect()
+    alive = [o for o in gc.get_objects() if type(o) is Session]
+    assert not alive, f"{len(alive)} step sessions still alive"

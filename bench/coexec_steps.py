@@ -1,0 +1,152 @@
+"""Step time of coexec vs eager for the example programs, and where co-executed steps spend it.
+
+    python bench/coexec_steps.py [--steps 20] [--programs static_mlp,resnet] [--out bench/out]
+
+Per program, one eager instance and one coexec instance run side by side in one process,
+alternating step by step after a warm-up (eager: 3 steps; coexec: until it co-executes, plus
+2 steps); figures are medians over the measured steps. Columns:
+
+* ``eager ms``, ``coexec ms``, ``ratio`` (coexec / eager): step wall time.
+* ``eager us/op``: eager step time per ATen op (compute plus PyTorch's per-op overhead).
+* ``skeleton us/op``: the time the Python skeleton was busy (step time minus its waits on the
+  executor) per op: what running the user's Python costs under coexec, per op.
+* the Terra Fig. 3.11 breakdown of co-executed steps, as shares of step wall time: skeleton
+  busy, skeleton stalled on fetches (and the end-of-step sync), executor busy, executor idle
+  (waiting for the skeleton to issue ops: Terra's "stalled on feed/select").
+
+Writes ``coexec_steps.md`` (the table) and ``coexec_breakdown.png`` (Fig. 3.11-style bars) to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import coexec  # noqa: E402
+from examples.programs import BY_NAME, PROGRAMS  # noqa: E402
+
+
+def co_step(tape: coexec.GradientTape, program, i: int) -> float:
+    """One co-executed step (one ``with`` statement for warm-up and measurement alike)."""
+    t0 = time.perf_counter()
+    with tape:
+        program.step(i)
+    return time.perf_counter() - t0
+
+
+def measure(name: str, steps: int) -> dict:
+    eager, co = BY_NAME[name](0), BY_NAME[name](0)
+    tape = coexec.GradientTape(key=("bench", name))
+    i = 0
+    for _ in range(3):
+        eager.step(i)
+        i += 1
+    j = 0
+    while tape.stats.phase != "coexec" or tape.stats.coexec_steps < 2:
+        co_step(tape, co, j)
+        j += 1
+        if j > 20:
+            raise RuntimeError(f"{name} did not settle into co-execution: {tape.stats}")
+    before = tape.stats
+    e_times, c_times = [], []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        eager.step(i + k)
+        e_times.append(time.perf_counter() - t0)
+        c_times.append(co_step(tape, co, j + k))
+    after = tape.stats
+    ops = after.last_ops
+    wall = sum(c_times)
+    stall = after.stall_seconds - before.stall_seconds
+    busy = after.executor_seconds - before.executor_seconds
+    e, c = statistics.median(e_times), statistics.median(c_times)
+    return {
+        "program": name,
+        "ops": ops,
+        "eager ms": e * 1e3,
+        "coexec ms": c * 1e3,
+        "ratio": c / e,
+        "eager us/op": e / ops * 1e6,
+        "skeleton us/op": (wall - stall) / steps / ops * 1e6,
+        "skeleton busy %": 100 * (wall - stall) / wall,
+        "skeleton stalled %": 100 * stall / wall,
+        "executor busy %": 100 * busy / wall,
+        "executor idle %": 100 * max(0.0, wall - busy) / wall,
+        "fallbacks": after.fallbacks - before.fallbacks,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append(
+            "| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    names = [r["program"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)
+    y = range(len(rows))
+    sk_busy = [r["skeleton busy %"] for r in rows]
+    axes[0].barh(y, sk_busy, color="#4477aa", label="busy")
+    axes[0].barh(y, [r["skeleton stalled %"] for r in rows], left=sk_busy, color="#ee6677", label="stalled on fetch/sync")
+    axes[0].set_title("skeleton (Python)")
+    ex_busy = [r["executor busy %"] for r in rows]
+    axes[1].barh(y, ex_busy, color="#228833", label="busy")
+    axes[1].barh(y, [r["executor idle %"] for r in rows], left=ex_busy, color="#cccccc", label="waiting for ops")
+    axes[1].set_title("executor (background thread)")
+    for ax in axes:
+        ax.set_xlim(0, 100)
+        ax.set_xlabel("% of co-executed step time")
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0].set_yticks(list(y), names)
+    fig.suptitle(f"Where co-executed steps spend their time (torch {torch.__version__}, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--programs", default=",".join(p.name for p in PROGRAMS))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    os.makedirs(out, exist_ok=True)
+    rows = []
+    for name in args.programs.split(","):
+        rows.append(measure(name, args.steps))
+        print(f"measured {name}", file=sys.stderr, flush=True)
+    text = (
+        f"torch {torch.__version__}, 1 intra-op thread, {args.steps} measured steps per program, "
+        f"medians\n\n{table(rows)}\n"
+    )
+    print(text)
+    (out / "coexec_steps.md").write_text(text)
+    plot(rows, out / "coexec_breakdown.png")
+    print(f"wrote {out / 'coexec_steps.md'} and {out / 'coexec_breakdown.png'}")
+
+
+if __name__ == "__main__":
+    main()
