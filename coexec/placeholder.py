@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from tracegraph.schema import TensorMeta
 
-from .errors import ValueLostError
+from .errors import CoexecError, ValueLostError
 
 if TYPE_CHECKING:
     from .skeleton import Session
@@ -67,6 +67,12 @@ class Placeholder(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if torch.Tag.inplace_view in func.tags and isinstance(args[0], Placeholder):
+            raise CoexecError(
+                f"{func} would change the shape or strides of a tensor that coexec computed in "
+                "the background, in place; that is not supported. Use the out-of-place form "
+                "(for example x = x.unsqueeze(0) instead of x.unsqueeze_(0))."
+            )
         return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
 
     @classmethod

@@ -150,6 +150,10 @@ class Skeleton(Recorder):
         session = self.session
         if session.executor.error is not None:
             raise_executor_error(session.executor.error)
+        if schema_of(func).inplace_view:
+            # eager changes the tensor's metadata right now; a deferred op cannot
+            self.fall_back(f"{func} changes a tensor's metadata in place")
+            return super().execute(rec, func, args, kwargs, tensors)
         try:
             node = self.cursor.op(rec)
         except NotCovered as e:

@@ -35,7 +35,7 @@ def train(name: str, steps: int, use_coexec: bool, seed: int = 0, quiet: bool = 
                 loss = program.step(i)
         else:
             loss = program.step(i)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss))
         if not quiet and (i % 10 == 0 or i == steps - 1):
             print(f"step {i:4d}  loss {losses[-1]:.6f}")
     seconds = time.perf_counter() - t0

@@ -48,6 +48,7 @@ class Node:
     __slots__ = (
         "id", "kind", "region", "key", "sources", "promoted", "out_metas", "body", "trips",
         "visits", "fetches", "enter_sources", "label", "out_alias", "n_returned", "out_struct",
+        "match_cache",
     )  # fmt: skip
 
     def __init__(self, nid: int, kind: str, region: "Region", key: Any = None) -> None:
@@ -61,6 +62,9 @@ class Node:
         self.out_alias: tuple[int | None, ...] = ()  # per output: input whose storage it shares
         self.n_returned = 0  # outputs the op returns (the rest are arguments it writes)
         self.out_struct: tuple = ()  # the shape of the op's result (see OpRecord.out_struct)
+        # (op key, sources) -> the child they match, for children whose match needs no rule
+        # (no phi alternatives, no fed arguments); cleared when a child is generalised
+        self.match_cache: dict[tuple, Node] = {}
         self.body: Region | None = None  # loop nodes
         self.trips: Counter[int] = Counter()  # loop nodes: trip count -> executions seen
         self.visits = 0
@@ -449,9 +453,15 @@ class Cursor:
     # -- ops ------------------------------------------------------------------------------
     def match_op(self, region: Region, cur: Node, rec: OpRecord, ctx: Ctx) -> Node:
         srcs = tuple(self.source(v, ctx) for v in rec.inputs)
+        cache_key = (rec.key, srcs)
+        hit = cur.match_cache.get(cache_key)
+        if hit is not None:
+            return self.visit(hit, rec, ctx)
         children = region.succ[cur]
         for child in children:
             if child.kind == OP and self.same(child, rec.key, srcs, ctx):
+                if not self.mutate and not child.promoted and all(len(a) == 1 for a in child.sources):
+                    cur.match_cache[cache_key] = child
                 return self.visit(child, rec, ctx)
         if not self.mutate:
             raise NotCovered(f"a new op: {rec!r}")
@@ -631,6 +641,8 @@ class Cursor:
         node.promoted = frozenset(promoted)
         node.sources = tuple(new_sources)
         self.changed = True
+        for pred in node.region.pred[node]:  # their cached matches may skip the new rule
+            pred.match_cache.clear()
 
         def undo() -> None:
             node.promoted, node.sources = old

@@ -115,6 +115,7 @@ class OpSchema:
     random: bool
     data_dependent: bool  # the result is a Python value read from tensor data
     dynamic_shape: bool  # the output shape depends on tensor data
+    inplace_view: bool  # changes its argument's metadata (sizes, strides) in place
 
     def normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor], list[int]]:
         """Arguments in schema order: ``(attrs, tensors, arg_index_of_each_tensor)``.
@@ -183,6 +184,7 @@ def _build(func: torch._ops.OpOverload) -> OpSchema:
         random=torch.Tag.nondeterministic_seeded in tags,
         data_dependent=torch.Tag.data_dependent_output in tags,
         dynamic_shape=torch.Tag.dynamic_output_shape in tags,
+        inplace_view=torch.Tag.inplace_view in tags,
     )
 
 

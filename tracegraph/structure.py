@@ -18,7 +18,7 @@ coarser but still exact grouping.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .location import ACC, BWD, CODES, Location
 from .trace import Fetch
@@ -124,8 +124,7 @@ _RESTART: dict[tuple, LoopKey | None] = {}  # (previous loc, loc, outside) -> lo
 _MISSING = object()
 
 
-@dataclass(frozen=True)
-class LoopEvent:
+class LoopEvent(NamedTuple):
     """How placing one op changed the open loops: the first ``keep`` stay open (the others
     closed), the last kept one starts a new iteration if ``restart``, then ``opened`` open."""
 
@@ -172,7 +171,7 @@ class LoopTracker:
         del self._open[keep:]
         if new_iteration is not None:
             new_iteration.iterations.append([])
-        opened = tuple(key for key, _depth in loops[keep:])
+        opened = tuple(key for key, _depth in loops[keep:]) if len(loops) > keep else ()
         for key in opened:
             loop = Loop(key, [[]])
             self._current().append(loop)

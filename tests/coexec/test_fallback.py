@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -171,3 +172,43 @@ def test_user_code_raises_mid_step_and_training_continues():
     assert cl == el
     assert all(torch.equal(a, b) for a, b in zip(tensors_of(co), tensors_of(eager)))
     assert tape.stats.coexec_steps >= 4  # the step after the exception co-executes again
+
+
+def test_an_in_place_view_op_on_a_real_tensor_falls_back_and_stays_correct():
+    def make():
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 1)
+        inputs = [torch.randn(4) for _ in range(STEPS)]  # made outside the steps: real tensors
+        return SimpleNamespace(lin=lin, opt=torch.optim.SGD(lin.parameters(), lr=0.1), inputs=inputs)
+
+    def step(s, i):
+        x = s.inputs[i]
+        if i == ODD:
+            x.unsqueeze_(0)  # eager changes x's shape right here
+        s.opt.zero_grad()
+        loss = s.lin(x).pow(2).sum()
+        loss.backward()
+        s.opt.step()
+        return loss
+
+    tape = assert_same_as_eager(make, step, STEPS)
+    assert tape.stats.fallbacks == 1 and "in place" in tape.stats.last_fallback
+
+
+def test_an_in_place_view_op_on_a_computed_tensor_is_refused_clearly():
+    import coexec
+
+    s = make_bn()
+    tape = coexec.GradientTape(key="inplace-view-placeholder")
+
+    def step(i):
+        x, y = s.data[i % 3]
+        h = s.model(x.clone())
+        if i == ODD:
+            h.unsqueeze_(0)
+        return h.sum()
+
+    with pytest.raises(coexec.CoexecError, match="out-of-place form"):
+        for i in range(STEPS):
+            with tape:
+                step(i)
