@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import types
 import weakref
 from typing import Any
@@ -115,6 +116,9 @@ class Recorder:
             _active.recorder = None
             self.trace.status = "failed" if error is not None else "complete"
             self.trace.error = error
+            self.trace.alive_at_end = frozenset(
+                vid for _t, vid in self.vmap.items()
+            )
             self.held.clear()
             self.vmap = _TensorMap()
             self.first_use = _TensorMap()
@@ -127,7 +131,10 @@ class Recorder:
         """Run the op (``tensors``: its tensor arguments, flattened as in ``rec.inputs``).
         Returns its result and, if known, which input each returned tensor aliases (None:
         find out from the real storages)."""
-        return func(*args, **kwargs), None
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        rec.seconds = time.perf_counter() - t0
+        return out, None
 
     def before_fetch(self, kind: str, t: Any) -> None:
         """Python is about to read ``t``'s data through ``kind``."""
@@ -140,9 +147,12 @@ class Recorder:
             return None
 
     # -- values -------------------------------------------------------------------------
-    def _new_storage(self) -> int:
+    def _new_storage(self, t: torch.Tensor | None = None) -> int:
+        sid = self.n_storages
         self.n_storages += 1
-        return self.n_storages - 1
+        if t is not None:
+            self.trace.storage_bytes[sid] = storage_nbytes(t)
+        return sid
 
     def _new_value(self, producer: int | None, out_index: int, t: torch.Tensor, storage: int) -> int:
         values = self.trace.values
@@ -158,7 +168,7 @@ class Recorder:
         addr = self.storage_key(t)
         sid = self.ext_storage.get(addr) if addr is not None else None
         if sid is None:
-            sid = self._new_storage()
+            sid = self._new_storage(t)
             if addr is not None:
                 self.ext_storage[addr] = sid
                 self.held.append(t)  # the storage's address must not be reused while mapped
@@ -256,7 +266,7 @@ class Recorder:
         returned = set()
         for t, a in zip(results, alias):
             returned.add(id(t))
-            sid = values[inputs[a]].storage if a is not None else self._new_storage()
+            sid = values[inputs[a]].storage if a is not None else self._new_storage(t)
             outputs.append(self._new_value(index, len(outputs), t, sid))
         n_returned = len(outputs)
         for i in writes:  # a mutated argument not returned still has a new value now
@@ -289,6 +299,21 @@ class Recorder:
         self.trace.fetches.append(Fetch(kind, vid, len(self.trace.ops), loc))
 
 
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage behind ``t``; for a tensor without real storage (a placeholder),
+    the bytes its own layout spans."""
+    try:
+        n = t.untyped_storage().nbytes()
+        if n or t.numel() == 0:
+            return n
+    except (RuntimeError, NotImplementedError):
+        pass
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    return (t.storage_offset() + span) * t.element_size()
+
+
 def _structure(out: Any) -> tuple:
     """The shape of an op's result, per return: 1 a tensor, None an undefined tensor, an int n
     a list of n tensors, ``"py"`` a Python value (a one-tuple for a single return)."""
@@ -319,6 +344,9 @@ class _TensorMap:
     def keys(self) -> list[torch.Tensor]:
         """The live tensors in the map."""
         return [t for ref, _ in self._d.values() if (t := ref()) is not None]
+
+    def items(self) -> list[tuple[torch.Tensor, Any]]:
+        return [(t, v) for ref, v in self._d.values() if (t := ref()) is not None]
 
     def get(self, t: torch.Tensor) -> Any:
         e = self._d.get(id(t))

@@ -83,6 +83,7 @@ class OpRecord:
     out_alias: tuple[int | None, ...] = ()  # per output: position in ``inputs`` it shares storage with
     n_returned: int = 0  # outputs the op returned (the rest are written arguments)
     out_struct: tuple = ()  # per schema return: 1 a tensor, None an undefined one, n a list
+    seconds: float = 0.0  # how long the op took when it ran eagerly (0 if it did not)
 
     @property
     def func(self) -> torch._ops.OpOverload:
@@ -127,6 +128,8 @@ class Trace:
     values: list[Value] = field(default_factory=list)
     fetches: list[Fetch] = field(default_factory=list)
     externals: list[int] = field(default_factory=list)  # value ids, in order of first use
+    storage_bytes: dict[int, int] = field(default_factory=dict)  # storage id -> its size
+    alive_at_end: frozenset = frozenset()  # value ids whose tensors outlive the step
     outside_loops: frozenset = frozenset()  # loops around the recording (see structure.py)
     status: str = "recording"  # recording | complete | failed
     error: BaseException | None = None

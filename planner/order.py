@@ -1,0 +1,155 @@
+"""Choosing the operator order that minimises the peak of live bytes (OLLA §3.2, §4).
+
+* :func:`greedy_order`: list scheduling that runs, among the ready ops, the one that leaves the
+  fewest live bytes (ties: the eager order). Fast, always valid; the fallback and warm start.
+  It applies each weight update as soon as it can, since that frees a gradient (OLLA §4.3).
+* :func:`optimal_order`: OLLA's lifetime problem (equations 1-5, peak of equation 13,
+  objective 14) as a constraint program for OR-Tools CP-SAT: one op per timestep, each op's
+  start within [ASAP, ALAP] = [#ancestors, n-1-#descendants] (§4.1), precedence (§4.2), each
+  storage an interval from its producer to its last use (its maximum useful lifetime, forced
+  resident in between: eqs. 11-12), a cumulative constraint whose capacity is the peak.
+  Warm-started with the best known order, time-limited, never worse than it; reports its gap.
+
+Why CP-SAT and not a MIP solver on OLLA's time-indexed ILP: measured on the zoo's MLP training
+graph (90 ops), HiGHS (highspy) found no better order and kept a 99.8% gap after 30 s, and gave
+no bound at all past ~300 ops; CP-SAT proved the optimum in 5 s and runs within its limit up to
+ResNet-50's 1215 ops. (The two also cannot share a process: OR-Tools bundles its own HiGHS.)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .graph import ESCAPING, PERSISTENT, PlanningGraph
+from .simulate import replay
+
+
+@dataclass
+class OrderResult:
+    order: list[int]
+    peak: int  # exact peak of the order (simulator)
+    method: str  # "eager", "greedy", "cp-sat" (proven optimal), "cp-sat-timeout"
+    seconds: float = 0.0
+    gap: float | None = None  # relative gap of the solver (0: proven optimal)
+    bound: int | None = None  # the solver's lower bound on the peak
+
+
+def greedy_order(g: PlanningGraph) -> list[int]:
+    n = len(g.ops)
+    indeg = [len(p) for p in g.preds]
+    remaining = {sid: len(set(s.uses) - {s.producer}) for sid, s in g.storages.items()}
+    ready = [v for v in range(n) if indeg[v] == 0]
+    order: list[int] = []
+    storages = g.storages
+    while ready:
+        best, best_key = None, None
+        for v in ready:
+            node = g.ops[v]
+            alloc = sum(storages[s].nbytes for s in node.allocates)
+            freed = 0
+            for s in node.uses:
+                st = storages[s]
+                if st.kind == PERSISTENT or st.kind == ESCAPING or st.producer == v:
+                    continue
+                if remaining[s] == 1:
+                    freed += st.nbytes
+            # storages whose only use is the producer die at once
+            freed += sum(storages[s].nbytes for s in node.allocates if remaining[s] == 0 and storages[s].kind != ESCAPING)
+            key = (alloc - freed, v)
+            if best_key is None or key < best_key:
+                best, best_key = v, key
+        ready.remove(best)
+        order.append(best)
+        for s in g.ops[best].uses:
+            if storages[s].producer != best and s in remaining:
+                remaining[s] -= 1
+        for w in g.succs[best]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready.append(w)
+    if len(order) != n:
+        raise ValueError("the planning graph has a cycle")
+    return order
+
+
+def _ancestor_counts(g: PlanningGraph) -> tuple[list[int], list[int]]:
+    """Number of ancestors and of descendants of every op (bitsets as Python ints)."""
+    n = len(g.ops)
+    topo = list(range(n))  # trace order is a topological order of the graph
+    anc = [0] * n
+    for v in topo:
+        m = 0
+        for u in g.preds[v]:
+            m |= anc[u] | (1 << u)
+        anc[v] = m
+    desc = [0] * n
+    for v in reversed(topo):
+        m = 0
+        for w in g.succs[v]:
+            m |= desc[w] | (1 << w)
+        desc[v] = m
+    return [a.bit_count() for a in anc], [d.bit_count() for d in desc]
+
+
+def optimal_order(
+    g: PlanningGraph, time_limit: float = 30.0, warm: list[int] | None = None, workers: int = 2
+) -> OrderResult:
+    """The same problem for OR-Tools CP-SAT: a start time per op (one op per step, within
+    [ASAP, ALAP]), precedence, each storage an interval from its producer to its last use, and
+    a cumulative constraint whose capacity, the peak, is minimised. Warm-started by a hint."""
+    from ortools.sat.python import cp_model
+
+    t0 = time.perf_counter()
+    n = len(g.ops)
+    if warm is None:
+        warm = min((list(range(n)), greedy_order(g)), key=lambda o: replay(g, o).peak)
+    warm_peak = replay(g, warm).peak
+    n_anc, n_desc = _ancestor_counts(g)
+    m = cp_model.CpModel()
+    s = [m.NewIntVar(n_anc[v], n - 1 - n_desc[v], f"s{v}") for v in range(n)]
+    m.AddAllDifferent(s)
+    for v in range(n):
+        for u in g.preds[v]:
+            m.Add(s[u] < s[v])
+    planned = [st for st in g.storages.values() if st.kind != PERSISTENT and st.nbytes > 0]
+    intervals, demands = [], []
+    dynamic = 0
+    for st in planned:
+        start = s[st.producer]
+        users = sorted(set(st.uses) - {st.producer})
+        if st.kind == ESCAPING:
+            end = n
+        elif not users:
+            end = start + 1
+        else:
+            end_var = m.NewIntVar(0, n, f"e{st.sid}")
+            m.AddMaxEquality(end_var, [s[w] + 1 for w in users])
+            end = end_var
+        size = m.NewIntVar(1, n, f"d{st.sid}")
+        m.Add(size == end - start)
+        intervals.append(m.NewIntervalVar(start, size, end, f"i{st.sid}"))
+        demands.append(st.nbytes)
+        dynamic += st.nbytes
+    cap = m.NewIntVar(0, dynamic, "peak")
+    m.AddCumulative(intervals, demands, cap)
+    m.Minimize(cap)
+    pos = {v: i for i, v in enumerate(warm)}
+    for v in range(n):
+        m.AddHint(s[v], pos[v])
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.num_workers = workers
+    status = solver.Solve(m)
+    seconds = time.perf_counter() - t0
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return OrderResult(warm, warm_peak, "greedy", seconds)
+    order = sorted(range(n), key=lambda v: solver.Value(s[v]))
+    found = replay(g, order).peak
+    bound = int(solver.BestObjectiveBound()) + g.persistent_bytes
+    obj = solver.ObjectiveValue()
+    gap = (obj - solver.BestObjectiveBound()) / obj if obj else 0.0
+    method = "cp-sat" if status == cp_model.OPTIMAL else "cp-sat-timeout"
+    if found > warm_peak:
+        return OrderResult(warm, warm_peak, method, seconds, gap, bound)
+    return OrderResult(order, found, method, seconds, gap, bound)
