@@ -124,20 +124,34 @@ def optimal_offsets(
 ) -> Placement:
     """The address problem for CP-SAT: rectangles (lifetime x bytes) that must not overlap,
     lifetimes fixed, offsets free, the arena's end minimised; hinted with the greedy placement.
-    Pairs that ``conflicts`` adds beyond co-liveness get explicit disjunctions."""
-    from ortools.sat.python import cp_model
-
+    Pairs that ``conflicts`` adds beyond co-liveness get explicit disjunctions. The free model
+    runs first; if it does not prove the optimum, a second run fixes OLLA's pyramid (§4.5),
+    which shrinks the search on large instances. The best placement found wins."""
     t0 = time.perf_counter()
     conflicts = conflicts if conflicts is not None else conflict_pairs(spans)
-    greedy = greedy_offsets(spans, sizes, conflicts, alignment=1)
+    best = greedy_offsets(spans, sizes, conflicts, alignment=1)
     lower = live_peak(spans, sizes)
-    if greedy.arena_bytes <= lower:
-        greedy.method, greedy.gap = "greedy (optimal)", 0.0
-        return greedy
+    if best.arena_bytes <= lower:
+        best.method, best.gap = "greedy (optimal)", 0.0
+        return best
+    for fixed in (False, True):
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0.5 or best.gap == 0.0:
+            break
+        pre = pyramid(spans, sizes) if fixed else {}
+        if fixed and (not pre or max(pre[s] + sizes[s] for s in pre) > best.arena_bytes):
+            break
+        found = _solve_offsets(spans, sizes, conflicts, best, lower, pre, left if fixed else left / 2, workers)
+        if found is not None and (found.arena_bytes < best.arena_bytes or found.gap == 0.0):
+            best = found
+    best.seconds = time.perf_counter() - t0
+    return best
+
+
+def _solve_offsets(spans, sizes, conflicts, greedy, lower, pre, time_limit, workers):
+    from ortools.sat.python import cp_model
+
     top = greedy.arena_bytes
-    pre = pyramid(spans, sizes)
-    if max((pre[s] + sizes[s] for s in pre), default=0) > top:
-        pre = {}  # the pyramid alone is taller than the greedy arena: no use
     m = cp_model.CpModel()
     off, xs, ys = {}, [], []
     for sid, (a, b) in spans.items():
@@ -145,10 +159,9 @@ def optimal_offsets(
             off[sid] = m.NewConstant(pre[sid])
         else:
             off[sid] = m.NewIntVar(0, top - sizes[sid], f"a{sid}")
+            m.AddHint(off[sid], greedy.offsets[sid])
         xs.append(m.NewFixedSizeIntervalVar(a, b - a + 1, f"x{sid}"))
         ys.append(m.NewFixedSizeIntervalVar(off[sid], sizes[sid], f"y{sid}"))
-        if sid not in pre:
-            m.AddHint(off[sid], greedy.offsets[sid])
     m.AddNoOverlap2D(xs, ys)
     for sid in spans:  # co-live on another path: disjoint in bytes too
         for other in conflicts[sid]:
@@ -164,14 +177,12 @@ def optimal_offsets(
     solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = workers
     status = solver.Solve(m)
-    seconds = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        greedy.seconds = seconds
-        return greedy
+        return None
     offsets = {sid: solver.Value(v) for sid, v in off.items()}
     arena = max(offsets[s] + sizes[s] for s in spans)
     gap = (arena - solver.BestObjectiveBound()) / arena if arena else 0.0
-    if arena >= greedy.arena_bytes:
-        greedy.seconds, greedy.gap = seconds, gap
-        return greedy
-    return Placement(offsets, arena, "cp-sat" if status == cp_model.OPTIMAL else "cp-sat-timeout", seconds, gap)
+    if status == cp_model.OPTIMAL and not pre:
+        gap = 0.0
+    method = ("cp-sat" if status == cp_model.OPTIMAL else "cp-sat-timeout") + (" + pyramid" if pre else "")
+    return Placement(offsets, arena, method, 0.0, gap)

@@ -78,8 +78,12 @@ def plan_graph(g: PlanningGraph, time_limit: float = 30.0, optimize: bool = True
     placement = greedy_offsets(spans, sizes, conflicts, alignment=ALIGNMENT)
     local_peak = live_peak(spans, sizes)
     if optimize and placement.arena_bytes > local_peak:
-        better = optimal_offsets(spans, sizes, time_limit=0.3 * time_limit, conflicts=conflicts)
-        if better.arena_bytes < placement.arena_bytes and all(o % ALIGNMENT == 0 for o in better.offsets.values()):
+        # solved in units of the alignment, so every offset stays aligned
+        units = {sid: n // ALIGNMENT for sid, n in sizes.items()}
+        better = optimal_offsets(spans, units, time_limit=0.3 * time_limit, conflicts=conflicts)
+        if better.arena_bytes * ALIGNMENT < placement.arena_bytes:
+            better.offsets = {sid: o * ALIGNMENT for sid, o in better.offsets.items()}
+            better.arena_bytes *= ALIGNMENT
             placement = better
     result = replay(g, best.order, placement.offsets, arena_bytes=placement.arena_bytes)
     return Plan(
