@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from executor import Executor, ExecutorError, Free, Run
+from executor import Executor, ExecutorError, Free, FreeRange, Run
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
 from tracegraph.schema import TensorMeta, schema_of
 
+from .arena import is_arena_backed, iterations, out_variant
 from .errors import ValueLostError
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
@@ -36,9 +37,10 @@ _VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
 class Session:
     """A step's link to the executor: its placeholders and where their values come from."""
 
-    def __init__(self, executor: Executor, timeout: float) -> None:
+    def __init__(self, executor: Executor, timeout: float, arena: Any = None) -> None:
         self.executor = executor
         self.timeout = timeout
+        self.arena = arena  # (ArenaPlan, arena tensor) or None
         self.base = next(_session_ids) * _VID_SPACE
         self.live: dict[int, weakref.ref] = {}  # id(placeholder) -> weak reference
         self.produced_at: dict[int, int] = {}  # trace value id -> executor position
@@ -101,23 +103,29 @@ class Session:
         ph._real = real
         return real
 
-    def bind_all(self) -> None:
-        """After the executor drained: every live placeholder gets its value (and lets go of
-        the session, so a kept placeholder does not keep the step's bookkeeping alive)."""
+    def bind_all(self, release: bool = True) -> None:
+        """After the executor drained: every live placeholder gets its value, copied out of
+        the arena (which the next step reuses). ``release``: the placeholders also let go of
+        the session, so a kept one does not keep the step's bookkeeping alive."""
         values = self.executor.values
         for ref in list(self.live.values()):
             ph = ref()
             if ph is not None:
                 if ph._real is None:
                     ph._real = values.get(self.base + ph._vid)
-                ph._session = None
+                self.copy_out(ph)
+                if release:
+                    ph._session = None
+
+    def copy_out(self, ph: Placeholder) -> None:
+        """Give ``ph`` its own copy if its value lives in the arena."""
+        if self.arena is not None and ph._real is not None and is_arena_backed(ph._real, self.arena[1]):
+            ph._real = ph._real.clone()
 
     def close(self) -> None:
-        """Values now live in the placeholders; the executor's table can let go of them."""
+        """Values now live in the placeholders; the executor lets go of the step's values."""
         self.open = False
-        values = self.executor.values
-        for k in [k for k in values if self.base <= k < self.base + _VID_SPACE]:
-            del values[k]
+        self.executor.submit(FreeRange(self.base, self.base + _VID_SPACE))
         self.dead.clear()
         self.live.clear()
         self.produced_at.clear()
@@ -161,6 +169,7 @@ class Skeleton(Recorder):
             return super().execute(rec, func, args, kwargs, tensors)
 
         base, first, n_ret = session.base, len(self.trace.values), node.n_returned
+        data_dependent = "py" in node.out_struct or schema_of(func).dynamic_shape
         plan = _returns(func)
         struct = node.out_struct  # per return: 1, None (undefined), n (list length), "py"
         # the flattened outputs as the recorder numbers them (value ids first, first+1, ...):
@@ -181,13 +190,15 @@ class Skeleton(Recorder):
             if isinstance(x, Placeholder) and x._session is session and x._real is None
         ]
         ins_args, ins_kwargs, refs = _encode(args, kwargs, session)
-        data_dependent = "py" in struct or schema_of(func).dynamic_shape
+        arena_out = None
+        if session.arena is not None and not data_dependent and slots and all(x is None for x in slots):
+            arena_out = self._arena_out(func, node, rec, n_ret)
         position = session.submit(
             Run(
                 func, ins_args, ins_kwargs, refs,
                 tuple(base + first + j for j in range(n_ret)),
                 tuple((base + x._vid, new) for x, new in moves),
-                rec.index, rec.key.loc, data_dependent,
+                rec.index, rec.key.loc, data_dependent, arena_out,
             )
         )  # fmt: skip
         for x, new in moves:
@@ -216,6 +227,25 @@ class Skeleton(Recorder):
             return None, ()
         return (out[0] if len(plan) == 1 else tuple(out)), node.out_alias[:n_ret]
 
+    def _arena_out(self, func: Any, node: Any, rec: OpRecord, n_ret: int) -> tuple | None:
+        """Where the planned arena wants this op's outputs: all of them fresh, planned, and
+        the op has an ``out=`` variant; else None (the allocator)."""
+        if n_ret == 0 or len(node.out_struct) != n_ret or any(a is not None for a in node.out_alias[:n_ret]):
+            return None
+        ov = out_variant(func)
+        if ov is None:
+            return None
+        plan, arena = self.session.arena
+        its = iterations(self.cursor.placed[rec.index][1])
+        outs = []
+        for k in range(n_ret):
+            offset = plan.offsets.get((node.id, k, its))
+            if offset is None:
+                return None
+            meta = node.out_metas[k]
+            outs.append((offset, tuple(meta.shape), tuple(meta.stride), meta.dtype))
+        return (ov[0], ov[1], arena, tuple(outs))
+
     def storage_key(self, t: torch.Tensor) -> int | None:
         if isinstance(t, Placeholder):
             if t._real is None:
@@ -243,6 +273,11 @@ class Skeleton(Recorder):
             self.sync()
             if isinstance(t, Placeholder):
                 t.real()
+                self.suppress += 1  # our copy is not the program's op
+                try:
+                    session.copy_out(t)  # Python may keep the view: not into the arena
+                finally:
+                    self.suppress -= 1
 
     # -- control --------------------------------------------------------------------------
     def sync(self) -> None:
@@ -253,7 +288,8 @@ class Skeleton(Recorder):
         self.eager = True
         self.fallback_reason = reason
         self.sync()
-        self.session.bind_all()
+        # the rest of the step computes eagerly on these values: give them their own memory
+        self.session.bind_all(release=False)
 
     def finish(self) -> bool:
         """The step's Python is done: True if its path (up to ``end``) is in the graph."""

@@ -62,6 +62,20 @@ class Program:
         self.graph = TraceGraph()
         self.stats = TapeStats()
         self.capped = False
+        self.paths: list = []  # traces that added to the graph: the observed paths
+        self.arena_plan = None  # planner.arena.ArenaPlan over self.paths
+        self.arena: torch.Tensor | None = None
+
+    def replan_arena(self) -> None:
+        """One arena for every observed path (validated per path by the simulator)."""
+        from .arena import plan_program_arena
+
+        plan = plan_program_arena(self.graph, self.paths)
+        self.arena_plan = plan
+        if plan is None or plan.arena_bytes == 0:
+            self.arena = None
+        elif self.arena is None or self.arena.numel() < plan.arena_bytes:
+            self.arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
 
 
 _programs: dict[tuple, Program] = {}
@@ -86,7 +100,8 @@ class GradientTape:
     before it becomes an error), ``debug`` (print phase changes and fallbacks to stderr),
     ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can
-    give each its own key).
+    give each its own key), ``arena`` (co-executed steps write planned outputs into one
+    preallocated arena; False: every output from the allocator).
     """
 
     def __init__(
@@ -98,6 +113,7 @@ class GradientTape:
         timeout: float = 300.0,
         debug: bool = False,
         key: Any = None,
+        arena: bool = True,
     ) -> None:
         if not isinstance(max_traces, int) or max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {max_traces!r}")
@@ -113,6 +129,7 @@ class GradientTape:
         self.timeout = float(timeout)
         self.debug = debug
         self.key = key
+        self.arena = arena
         self._thread = threading.get_ident()
         self._program: Program | None = None
         self._step: _Step | None = None
@@ -194,6 +211,37 @@ class GradientTape:
         s = self._program.stats
         return replace(s, seconds=dict(s.seconds))
 
+    def report(self, optimize_seconds: float = 10.0) -> list[dict]:
+        """Memory of the program's observed paths (one dict per path, DESIGN.md §6): the peak
+        of live bytes in issue order (what eager holds when it frees at last use), the planned
+        peak of the best order found (``planner.plan_graph``, time-limited per path), the arena
+        the co-executed steps use and its fragmentation, solve time and gap."""
+        from planner import PlanningGraph, plan_graph
+
+        program = self._program
+        if program is None:
+            return []
+        arena = program.arena_plan
+        out = []
+        for i, trace in enumerate(program.paths):
+            plan = plan_graph(PlanningGraph.from_trace(trace), time_limit=optimize_seconds)
+            row = {
+                "path": i,
+                "ops": len(trace.ops),
+                "issue-order peak": plan.eager_order_peak,
+                "planned peak": plan.peak,
+                "planned arena": plan.arena_bytes,
+                "planned fragmentation": plan.fragmentation,
+                "order": plan.order_result.method,
+                "order gap": plan.order_result.gap,
+                "solve seconds": plan.seconds,
+            }
+            if arena is not None:
+                row["executed arena"] = arena.arena_bytes
+                row["executed arena fragmentation"] = arena.fragmentation
+            out.append(row)
+        return out
+
     @property
     def graph(self) -> TraceGraph | None:
         """The program's TraceGraph (for inspection: ``tape.graph.to_dot()``)."""
@@ -224,7 +272,8 @@ class _Step:
             ex = runtime.executor()
             if ex.error is not None or not ex.alive:
                 ex.reset()
-            self.session = Session(ex, tape.timeout)
+            arena = (program.arena_plan, program.arena) if tape.arena and program.arena is not None else None
+            self.session = Session(ex, tape.timeout, arena)
             self.busy0 = ex.busy_seconds
             self.rec = Skeleton(program.graph, self.session)
             self.rec.start(frame)
@@ -256,11 +305,13 @@ class _Step:
         ex = session.executor
         if error is not None:
             # eager would have run every op issued before the exception: so does the executor
+            broken = False
             try:
                 session.drain()
             except (ExecutorError, ExecutorDied, ExecutorTimeout) as e:
                 error.__context__ = e
-            self._settle(session, leaves, sk.optimizers)
+                broken = not isinstance(e, ExecutorError)
+            self._settle(session, leaves, sk.optimizers, broken)
             return
         if self.tape.sync == "step" or sk.eager:
             try:
@@ -269,7 +320,7 @@ class _Step:
                 self._settle(session, leaves, sk.optimizers)
                 raise_executor_error(e)
             except (ExecutorDied, ExecutorTimeout):
-                self._settle(session, leaves, sk.optimizers)
+                self._settle(session, leaves, sk.optimizers, broken=True)
                 raise
             self._settle(session, leaves, sk.optimizers)
         else:
@@ -285,21 +336,27 @@ class _Step:
             if not covered:
                 self._merge(sk.trace, fell_back=False)
 
-    def _settle(self, session: Session, leaves: list, optimizers: list) -> None:
+    def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
+        """Bind the step's placeholders, give persistent state its real tensors, and let the
+        executor forget the step; a broken executor (dead, stuck, failed) is replaced."""
         stats = self.program.stats
         stats.stall_seconds += session.stall_seconds
         stats.executor_seconds += max(0.0, session.executor.busy_seconds - self.busy0)
         session.bind_all()
         runtime.unescape(leaves, optimizers)
-        session.close()
         ex = session.executor
-        if ex.error is not None or not ex.alive or ex.done < ex.submitted:
+        if broken or ex.error is not None or not ex.alive:
             ex.reset()
+        else:
+            session.close()
 
     def _merge(self, trace: Any, fell_back: bool) -> None:
         program, stats = self.program, self.program.stats
         added = program.graph.merge(trace)
         stats.traces += added
+        if added and self.tape.arena:
+            program.paths.append(trace)
+            program.replan_arena()
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")

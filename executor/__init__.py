@@ -5,6 +5,6 @@ each op on real tensors, keeps the values the skeleton still refers to, and repo
 progress back. It knows nothing of graphs or Python programs; ``coexec`` drives it.
 """
 
-from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, Run
+from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, FreeRange, Run
 
-__all__ = ["Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "Run"]
+__all__ = ["Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "FreeRange", "Run"]

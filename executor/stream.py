@@ -12,6 +12,7 @@ the one position someone waits for, and only then signals.
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
@@ -58,11 +59,22 @@ class Run:
     op_index: int = -1
     location: Any = None
     keep_result: bool = False  # store the Python result (a fetch of a data-dependent op)
+    # write the outputs into the arena: (out_variant, out argument names, arena tensor,
+    # ((offset, shape, stride, dtype) per returned tensor))
+    arena_out: tuple | None = None
 
 
 @dataclass(slots=True)
 class Free:
     vids: tuple
+
+
+@dataclass(slots=True)
+class FreeRange:
+    """Forget every value with an id in [lo, hi): a finished step's values."""
+
+    lo: int
+    hi: int
 
 
 @dataclass(slots=True)
@@ -102,6 +114,9 @@ class _Worker:
         self.error: ExecutorError | None = None
         self.busy_seconds = 0.0
         self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.regions = _Regions()
+        self.arena_misses = 0  # planned arena outputs that had to use the allocator
+        self.arena_hits = 0  # op results written into the arena
         self.want: int | None = None
         self.event = threading.Event()
         threads = torch.get_num_threads()
@@ -131,6 +146,12 @@ class _Worker:
             elif type(ins) is Free:
                 for v in ins.vids:
                     values.pop(v, None)
+                    self.regions.drop(v)
+            elif type(ins) is FreeRange:
+                for v in [v for v in values if ins.lo <= v < ins.hi]:
+                    del values[v]
+                for v in [v for v in self.regions.of if ins.lo <= v < ins.hi]:
+                    self.regions.drop(v)
             elif type(ins) is _Fault:
                 if ins.kind == "die":
                     return  # the thread ends with work pending, as a crash would
@@ -159,7 +180,11 @@ class _Worker:
                         if not isinstance(box[arg], list):
                             box[arg] = list(box[arg])
                         box[arg][item] = values[vid]
-            out = ins.func(*args, **kwargs)
+            out = None
+            if ins.arena_out is not None:
+                out = self.run_in_arena(ins, args, kwargs)
+            if out is None:
+                out = ins.func(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported to the skeleton's thread
             err = ExecutorError(
                 f"{ins.func} failed on the executor: {type(e).__name__}: {e}",
@@ -169,13 +194,153 @@ class _Worker:
             err.__cause__ = e
             self.error = err
             return
+        regions = self.regions
         for old, new in ins.moves:
             values[new] = values.pop(old)
+            regions.rename(old, new)
         if ins.outs:
             for vid, t in zip(ins.outs, _flatten(out)):
                 values[vid] = t
+                if regions.arena is not None:
+                    regions.claim(vid, t)
         if ins.keep_result:
             self.results[ins.op_index] = out
+
+
+    def run_in_arena(self, ins: Run, args: list, kwargs: dict) -> Any:
+        """Run the op's ``out=`` variant into arena memory at the planned offsets; None (run
+        it normally) if a planned region is still in use: a plan is a hint, never a risk.
+
+        Each output gets its own fixed-size storage over its region, so an ``out=`` kernel
+        that wants to resize its output fails instead of writing past the region; results
+        that do not have the planned layout are discarded, and the op is not tried again."""
+        out_func, names, arena, outs = ins.arena_out
+        if out_func in _NOT_IN_PLACE:
+            return None
+        if out_func not in _IN_PLACE:
+            return self.try_out_variant(out_func, names, outs, args, kwargs)
+        regions = self.regions
+        if regions.arena is not arena:
+            regions.reset(arena)
+        spans = []
+        for offset, shape, stride, dtype in outs:
+            n = _span_bytes(shape, stride, dtype)
+            if not regions.free(offset, n):
+                self.arena_misses += 1
+                return None
+            spans.append((offset, n))
+        views = [
+            torch.frombuffer(regions.buffer, dtype=torch.uint8, count=max(n, 1), offset=offset)
+            .view(dtype)[: max(n, 1) // dtype.itemsize]
+            .as_strided(shape, stride)
+            for (offset, n), (_o, shape, stride, dtype) in zip(spans, outs)
+        ]
+        kw = dict(kwargs)
+        kw.update(zip(names, views))
+        try:
+            out_func(*args, **kw)
+        except RuntimeError:
+            _NOT_IN_PLACE.add(out_func)
+            return None
+        for v, (_o, shape, stride, dtype) in zip(views, outs):
+            if tuple(v.shape) != shape or tuple(v.stride()) != stride or v.dtype != dtype:
+                _NOT_IN_PLACE.add(out_func)
+                return None
+        for offset, n in spans:
+            regions.open(offset, n)
+        self.arena_hits += 1
+        return views[0] if len(views) == 1 else tuple(views)
+
+
+    def try_out_variant(self, out_func: Any, names: tuple, outs: tuple, args: list, kwargs: dict) -> Any:
+        """First use of an ``out=`` overload: run it into empty outputs (which kernels resize
+        without complaint) and keep it for the arena only if it lays them out as planned."""
+        empties = [torch.empty(0, dtype=dtype) for _o, _s, _st, dtype in outs]
+        kw = dict(kwargs)
+        kw.update(zip(names, empties))
+        try:
+            out_func(*args, **kw)
+        except RuntimeError:
+            _NOT_IN_PLACE.add(out_func)
+            return None
+        ok = all(
+            tuple(t.shape) == shape and tuple(t.stride()) == stride
+            for t, (_o, shape, stride, _d) in zip(empties, outs)
+        )
+        (_IN_PLACE if ok else _NOT_IN_PLACE).add(out_func)
+        return (empties[0] if len(empties) == 1 else tuple(empties)) if ok else None
+
+
+# out= overloads checked against the plan on first use: good ones write into the arena, the
+# others (they lay out their output differently, e.g. mse_loss.out) use the allocator
+_IN_PLACE: set = set()
+_NOT_IN_PLACE: set = set()
+
+
+def _span_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
+
+
+class _Regions:
+    """Which bytes of the arena hold live values, and which values (by id) hold them."""
+
+    def __init__(self) -> None:
+        self.arena: torch.Tensor | None = None
+        self.base = 0
+        self.size = 0
+        self.buffer: memoryview | None = None
+        self.starts: list[int] = []  # sorted region starts
+        self.ends: dict[int, int] = {}  # start -> end
+        self.holders: dict[int, set[int]] = {}  # start -> value ids
+        self.of: dict[int, int] = {}  # value id -> region start
+
+    def reset(self, arena: torch.Tensor) -> None:
+        self.__init__()
+        self.arena = arena
+        self.base = arena.data_ptr()
+        self.size = arena.numel()
+        self.buffer = memoryview(arena.numpy())  # outputs get storages of their own over it
+
+    def free(self, offset: int, n: int) -> bool:
+        i = bisect.bisect_left(self.starts, offset + n)
+        return i == 0 or self.ends[self.starts[i - 1]] <= offset
+
+    def open(self, offset: int, n: int) -> None:
+        bisect.insort(self.starts, offset)
+        self.ends[offset] = offset + max(n, 1)
+        self.holders[offset] = set()
+
+    def claim(self, vid: int, t: Any) -> None:
+        """``vid``'s tensor lies in the arena: it keeps its region in use."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return
+        off = t.data_ptr() - self.base
+        if not 0 <= off < self.size:
+            return
+        i = bisect.bisect_right(self.starts, off) - 1
+        if i >= 0 and self.ends[self.starts[i]] > off:
+            start = self.starts[i]
+            self.holders[start].add(vid)
+            self.of[vid] = start
+
+    def rename(self, old: int, new: int) -> None:
+        start = self.of.pop(old, None)
+        if start is not None:
+            self.holders[start].discard(old)
+            self.holders[start].add(new)
+            self.of[new] = start
+
+    def drop(self, vid: int) -> None:
+        start = self.of.pop(vid, None)
+        if start is None:
+            return
+        holders = self.holders[start]
+        holders.discard(vid)
+        if not holders:
+            del self.holders[start], self.ends[start]
+            self.starts.remove(start)
 
 
 class Executor:
@@ -192,6 +357,8 @@ class Executor:
     done = property(lambda self: self._w.done)
     error = property(lambda self: self._w.error)
     busy_seconds = property(lambda self: self._w.busy_seconds)
+    arena_misses = property(lambda self: self._w.arena_misses)
+    arena_hits = property(lambda self: self._w.arena_hits)
 
     @property
     def alive(self) -> bool:

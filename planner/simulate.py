@@ -53,8 +53,10 @@ def replay(
     *,
     arena_bytes: int | None = None,
     budget: int | None = None,
+    partial: bool = False,
 ) -> Replay:
-    """Validate the plan and measure it; raises :class:`InvalidPlan` when it is not valid."""
+    """Validate the plan and measure it; raises :class:`InvalidPlan` when it is not valid.
+    ``partial``: ``offsets`` may leave some local storages to the ordinary allocator."""
     if not g.is_order(order):
         bad = _first_violation(g, order)
         raise InvalidPlan(f"the order is not a valid schedule: {bad}")
@@ -83,17 +85,18 @@ def replay(
     total_peak = persistent + peak
     arena_end = 0
     if offsets is not None:
-        arena_end = _check_addresses(g, spans, offsets, arena_bytes)
+        arena_end = _check_addresses(g, spans, offsets, arena_bytes, partial)
     if budget is not None and total_peak > budget:
         raise InvalidPlan(f"the plan needs {total_peak} bytes at its peak, over the budget of {budget}")
     return Replay(total_peak, peak_local, arena_end, peak_at, spans)
 
 
-def _check_addresses(g, spans, offsets, arena_bytes) -> int:
+def _check_addresses(g, spans, offsets, arena_bytes, partial=False) -> int:
     local = [sid for sid, s in g.storages.items() if s.kind == LOCAL and s.nbytes > 0]
     missing = [sid for sid in local if sid not in offsets]
-    if missing:
+    if missing and not partial:
         raise InvalidPlan(f"{len(missing)} local storages have no arena offset (e.g. storage {missing[0]})")
+    local = [sid for sid in local if sid in offsets]
     end = 0
     items = []
     for sid in local:

@@ -40,7 +40,8 @@ def run(
 ) -> tuple[list[float], list[torch.Tensor], coexec.GradientTape | None]:
     """``make()`` builds the state (seeded); ``step(state, i)`` runs step i and returns the loss."""
     state = make()
-    tape = coexec.GradientTape(key=("test", next(_keys)), **tape_options) if use_coexec else None
+    tape_options.setdefault("key", ("test", next(_keys)))
+    tape = coexec.GradientTape(**tape_options) if use_coexec else None
     losses = []
     for i in range(steps):
         if tape is None:
