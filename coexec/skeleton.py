@@ -35,18 +35,61 @@ _VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
 
 
 class Session:
-    """A step's link to the executor: its placeholders and where their values come from."""
+    """A step's link to the executor: its placeholders and where their values come from.
+
+    A value may be freed when its placeholder's C++ tensor is gone. Not its Python object: C++
+    code (autograd's saved tensors, an ATen composite between two calls) can keep the tensor
+    while the Python object is deallocated and later brought back, and holding the Python
+    object ourselves would change what autograd does (it copies gradients others refer to).
+    So each placeholder is tracked by a weak reference to its C++ tensor, and the session
+    sweeps now and then, freeing the values whose tensors are gone.
+    """
+
+    SWEEP_EVERY = 16  # submissions between sweeps
 
     def __init__(self, executor: Executor, timeout: float, arena: Any = None) -> None:
         self.executor = executor
         self.timeout = timeout
         self.arena = arena  # (ArenaPlan, arena tensor) or None
         self.base = next(_session_ids) * _VID_SPACE
-        self.live: dict[int, weakref.ref] = {}  # id(placeholder) -> weak reference
+        # per placeholder: [current value id, weak ref to the Python object, to the C++ tensor]
+        self.tracked: list[list] = []
+        self.orphans: dict[int, torch.Tensor] = {}  # values of tensors only C++ held at the end
         self.produced_at: dict[int, int] = {}  # trace value id -> executor position
-        self.dead: list[int] = []  # executor value ids of placeholders that died
         self.open = True
         self.stall_seconds = 0.0  # time the skeleton spent waiting on the executor
+        self._until_sweep = self.SWEEP_EVERY
+
+    def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
+        ph = Placeholder(meta, self, vid)
+        self.produced_at[vid] = position
+        entry = [vid, weakref.ref(ph), torch._C._WeakTensorRef(ph)]
+        ph._entry = entry
+        self.tracked.append(entry)
+        return ph
+
+    def retarget(self, ph: Placeholder, vid: int, position: int) -> None:
+        """An in-place op made a new value of ``ph``'s tensor."""
+        ph._vid = ph._entry[0] = vid
+        self.produced_at[vid] = position
+
+    def sweep(self) -> tuple:
+        """Forget the placeholders whose tensors are gone; their executor value ids."""
+        dead, alive = [], []
+        for entry in self.tracked:
+            (dead if entry[2].expired() else alive).append(entry)
+        self.tracked = alive
+        return tuple(self.base + e[0] for e in dead)
+
+    def submit(self, ins: Any) -> int:
+        position = self.executor.submit(ins)
+        self._until_sweep -= 1
+        if self._until_sweep <= 0:
+            self._until_sweep = self.SWEEP_EVERY
+            dead = self.sweep()
+            if dead:
+                self.executor.submit(Free(dead))
+        return position
 
     def wait(self, position: int) -> None:
         """Wait (as the skeleton) for the executor to reach ``position``."""
@@ -59,37 +102,16 @@ class Session:
     def drain(self) -> None:
         self.wait(self.executor.submitted)
 
-    def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
-        ph = Placeholder(meta, self, vid)
-        self.produced_at[vid] = position
-        cell = ph._cell = [vid]  # the current value id, read when the placeholder dies
-        key = id(ph)
-
-        def died(_ref: weakref.ref) -> None:
-            # runs wherever the last reference goes, possibly mid-way through our own code:
-            # only note it; the Free goes out with the next submission
-            self.live.pop(key, None)
-            if self.open:
-                self.dead.append(self.base + cell[0])
-
-        self.live[key] = weakref.ref(ph, died)
-        return ph
-
-    def retarget(self, ph: Placeholder, vid: int, position: int) -> None:
-        """An in-place op made a new value of ``ph``'s tensor."""
-        ph._vid = ph._cell[0] = vid
-        self.produced_at[vid] = position
-
-    def submit(self, ins: Any) -> int:
-        if self.dead:
-            dead, self.dead = self.dead, []
-            self.executor.submit(Free(tuple(dead)))
-        return self.executor.submit(ins)
-
     def resolve(self, ph: Placeholder) -> torch.Tensor:
         """Wait for ``ph``'s value and bind it."""
         if ph._real is not None:
             return ph._real
+        if not self.open:
+            real = self.orphans.get(ph._vid)
+            if real is None:
+                raise ValueLostError("this tensor's value was never computed or is gone")
+            ph._real = real
+            return real
         position = self.produced_at.get(ph._vid)
         if position is None or not self.open and self.executor.values.get(self.base + ph._vid) is None:
             raise ValueLostError(
@@ -108,14 +130,21 @@ class Session:
         the arena (which the next step reuses). ``release``: the placeholders also let go of
         the session, so a kept one does not keep the step's bookkeeping alive."""
         values = self.executor.values
-        for ref in list(self.live.values()):
-            ph = ref()
+        for entry in self.tracked:
+            ph = entry[1]()
             if ph is not None:
                 if ph._real is None:
                     ph._real = values.get(self.base + ph._vid)
                 self.copy_out(ph)
                 if release:
                     ph._session = None
+            elif not entry[2].expired() and entry[0] not in self.orphans:
+                # only C++ holds the tensor now (say, an autograd graph kept past the step):
+                # keep its value where the placeholder will look when it comes back
+                real = values.get(self.base + entry[0])
+                if real is not None and self.arena is not None and is_arena_backed(real, self.arena[1]):
+                    real = real.clone()
+                self.orphans[entry[0]] = real
 
     def copy_out(self, ph: Placeholder) -> None:
         """Give ``ph`` its own copy if its value lives in the arena."""
@@ -126,9 +155,9 @@ class Session:
         """Values now live in the placeholders; the executor lets go of the step's values."""
         self.open = False
         self.executor.submit(FreeRange(self.base, self.base + _VID_SPACE))
-        self.dead.clear()
-        self.live.clear()
-        self.produced_at.clear()
+        self.tracked = []
+        if not self.orphans:
+            self.produced_at.clear()
 
 
 class Skeleton(Recorder):
@@ -198,7 +227,7 @@ class Skeleton(Recorder):
                 func, ins_args, ins_kwargs, refs,
                 tuple(base + first + j for j in range(n_ret)),
                 tuple((base + x._vid, new) for x, new in moves),
-                rec.index, rec.key.loc, data_dependent, arena_out,
+                rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(),
             )
         )  # fmt: skip
         for x, new in moves:

@@ -67,10 +67,22 @@ class Program:
         self.arena: torch.Tensor | None = None
 
     def replan_arena(self) -> None:
-        """One arena for every observed path (validated per path by the simulator)."""
+        """One arena for every observed path, validated per path by the simulator. A plan the
+        simulator rejects is never executed: the program runs without an arena, and says so."""
+        from planner import InvalidPlan
+
         from .arena import plan_program_arena
 
-        plan = plan_program_arena(self.graph, self.paths)
+        try:
+            plan = plan_program_arena(self.graph, self.paths)
+        except InvalidPlan as e:
+            warnings.warn(
+                f"coexec: the arena plan for the step at {self.where} failed validation ({e}); "
+                "its steps allocate without an arena",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            plan = None
         self.arena_plan = plan
         if plan is None or plan.arena_bytes == 0:
             self.arena = None

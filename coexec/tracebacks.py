@@ -15,12 +15,12 @@ from typing import Any
 from tracegraph.location import BWD, CODES
 
 
-def _frame_tb(filename: str, lineno: int, name: str, exc: BaseException) -> types.TracebackType:
+def _frame_tb(filename: str, lineno: int, name: str) -> types.TracebackType:
     code = compile("\n" * (lineno - 1) + "raise __exc__", filename, "exec")
     code = code.replace(co_name=name)
-    try:
-        exec(code, {"__exc__": exc, "__name__": "__coexec_issue__"})
-    except BaseException as e:  # noqa: BLE001
+    try:  # a fresh exception each time: re-raising one object would chain its tracebacks
+        exec(code, {"__exc__": RuntimeError(), "__name__": "__coexec_issue__"})
+    except RuntimeError as e:
         tb = e.__traceback__
     assert tb is not None and tb.tb_next is not None
     return tb.tb_next  # the frame of the compiled code, not this function's
@@ -48,7 +48,7 @@ def attach_issue_traceback(exc: BaseException, loc: Any) -> BaseException:
         return exc
     head = tail = None
     for filename, line, name in frames:
-        tb = _frame_tb(filename, line, name, exc)
+        tb = _frame_tb(filename, line, name)
         if head is None:
             head = tail = tb
         else:

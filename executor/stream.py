@@ -62,6 +62,7 @@ class Run:
     # write the outputs into the arena: (out_variant, out argument names, arena tensor,
     # ((offset, shape, stride, dtype) per returned tensor))
     arena_out: tuple | None = None
+    grad_mode: bool = True  # grad mode when the op was issued: some kernels consult it
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class _Worker:
     def loop(self, threads: int) -> None:
         torch.set_num_threads(threads)  # intra-op threads are per thread: match the skeleton's
         torch.set_grad_enabled(False)
+        self.grad_mode = False
         # below autograd and ADInplaceOrView: the skeleton already did the autograd side of
         # every op (graph, views, version counters); bumping versions again here, at some
         # later moment, would break autograd's saved-tensor checks
@@ -168,6 +170,9 @@ class _Worker:
     def run(self, ins: Run, values: dict) -> None:
         args = ins.args
         kwargs = ins.kwargs
+        if ins.grad_mode != self.grad_mode:  # (below autograd: it records nothing either way)
+            torch.set_grad_enabled(ins.grad_mode)
+            self.grad_mode = ins.grad_mode
         try:
             if ins.refs:
                 args = list(args)

@@ -84,7 +84,7 @@ class Recorder:
         self.mirrored: dict[int, Location] = {}  # forward op index -> mirrored location
         self.node_key: Any = None
         self.bsub = 0
-        self._modes: tuple[_FunctionMode, _DispatchMode] | None = None
+        self._modes: tuple | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, base: types.FrameType) -> None:

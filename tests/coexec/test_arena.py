@@ -99,3 +99,21 @@ def test_one_arena_serves_both_paths_of_a_branching_program():
         assert row["planned peak"] <= row["issue-order peak"]
         assert row["planned fragmentation"] <= 0.01
         assert row["executed arena"] == program.arena_plan.arena_bytes
+
+
+def test_a_plan_the_simulator_rejects_is_never_executed(monkeypatch):
+    import planner.arena as planner_arena
+    from planner.address import Placement
+
+    def overlapping(spans, sizes, conflicts=None, alignment=64):  # everything at offset 0
+        return Placement({k: 0 for k in spans}, max(sizes.values(), default=0), "planted")
+
+    monkeypatch.setattr(planner_arena, "greedy_offsets", overlapping)
+    ex = runtime.executor()
+    hits0 = ex.arena_hits
+    import pytest
+
+    with pytest.warns(RuntimeWarning, match="failed validation.*overlap in the arena"):
+        tape = assert_same_as_eager(make, step, 6, key="arena-planted")
+    assert tape._program.arena_plan is None and tape._program.arena is None
+    assert ex.arena_hits == hits0  # nothing was written to an arena
