@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
+from common import markdown_table  # noqa: E402
 from examples.programs import BY_NAME, PROGRAMS  # noqa: E402
 
 
@@ -85,16 +87,6 @@ def measure(name: str, steps: int) -> dict:
     }
 
 
-def table(rows: list[dict]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append(
-            "| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |"
-        )
-    return "\n".join(lines)
-
-
 def plot(rows: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -140,7 +132,7 @@ def main() -> None:
         print(f"measured {name}", file=sys.stderr, flush=True)
     text = (
         f"torch {torch.__version__}, 1 intra-op thread, {args.steps} measured steps per program, "
-        f"medians\n\n{table(rows)}\n"
+        f"medians\n\n{markdown_table(rows)}\n"
     )
     print(text)
     (out / "coexec_steps.md").write_text(text)

@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import markdown_table  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from planner import PlanningGraph, plan_graph  # noqa: E402
 from planner.tracker import eager_peak  # noqa: E402
@@ -66,14 +68,6 @@ def measure(name: str, batch: int, time_limit: float) -> dict:
         "addresses": plan.placement.method,
         "plan s": seconds,
     }
-
-
-def table(rows: list[dict]) -> str:
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
-    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -120,7 +114,7 @@ def main() -> None:
     lines = [
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, planning time limit "
         f"{args.time_limit:g} s\n",
-        table(rows),
+        markdown_table(rows),
     ]
     for batch in sorted({r["batch"] for r in rows}):
         red = [r["reduction %"] for r in rows if r["batch"] == batch]

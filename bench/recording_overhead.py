@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import markdown_table  # noqa: E402
 from tracegraph import TraceGraph, record  # noqa: E402
 
 
@@ -107,13 +109,8 @@ def main() -> None:
         measure("MLP (3 Linear, batch 32)", mlp_step_factory(), args.repeats),
         measure("CNN (2 conv+BN, batch 8, 32x32)", cnn_step_factory(), args.repeats),
     ]
-    cols = list(rows[0])
     print(f"torch {torch.__version__}, 1 thread, median of {args.repeats} repeats\n")
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for row in rows:
-        cells = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()]
-        print("| " + " | ".join(cells) + " |")
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":
