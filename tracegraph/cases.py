@@ -39,13 +39,6 @@ class SwitchCase:
         """A switch-case with one case is not a switch: nothing to select."""
         return len(self.cases) > 1
 
-    def case_for(self, edge: Edge) -> int | None:
-        """Index of the case that ``edge`` selects, or None."""
-        for i, c in enumerate(self.cases):
-            if edge in c.control_edges:
-                return i
-        return None
-
 
 def assign_cases(region: "Region") -> list[SwitchCase]:
     succ, pred, end = region.succ, region.pred, region.end

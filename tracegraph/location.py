@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dis
 import os
-import sys
 import types
 from bisect import bisect_right
 
@@ -190,8 +189,3 @@ def _short_path(path: str) -> str:
 
 
 CODES = CodeTable()
-
-
-def current_frame(depth: int = 1) -> types.FrameType:
-    """The caller's frame ``depth`` levels up (``sys._getframe`` without the import noise)."""
-    return sys._getframe(depth + 1)
