@@ -42,6 +42,7 @@ class OpNode:
     workspace: int = 0  # temporary bytes inside the kernel (unknown on CPU: 0)
     allocates: list[int] = field(default_factory=list)  # storages it creates
     uses: list[int] = field(default_factory=list)  # storages it reads or writes
+    writes: list[int] = field(default_factory=list)  # existing storages it mutates
     random: bool = False
     gradient_update: bool = False  # writes a persistent storage from a gradient (optimizer)
 
@@ -127,6 +128,7 @@ class PlanningGraph:
                     preds[j].add(last_random)
                 last_random = j
             node.uses = sorted(read | written | set(made))
+            node.writes = sorted(written)
             for sid in node.uses:
                 storages[sid].uses.append(j)
             node.gradient_update = not op.is_backward and any(

@@ -1,0 +1,136 @@
+"""Rematerialization: the simulator against the plain one, the solver against exhaustive search."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.remat import (
+    BudgetTooSmall,
+    _cost,
+    candidates,
+    exhaustive_remat,
+    min_feasible_budget,
+    plan_remat,
+    remat_replay,
+)
+from planner.simulate import replay
+
+from tests.planner.helpers import chain_graph, random_graph
+
+
+def training_graph(rng: random.Random, depth: int, skips: int = 0):
+    """A forward chain of ``depth`` ops, a loss, and a backward chain in which backward op i
+    reads forward activation i and the gradient before it (the shape of a training step);
+    ``skips`` extra forward edges make it a DAG rather than a chain."""
+    spec: list[tuple[list[int], int]] = [([], rng.choice([2, 4, 8]))]  # the input batch
+    for i in range(1, depth + 1):
+        inputs = [i - 1]
+        if skips and i >= 3 and rng.random() < skips / depth:
+            inputs.append(rng.randrange(1, i - 1))
+        spec.append((inputs, rng.choice([1, 2, 3, 5, 8, 13])))
+    loss = len(spec)
+    spec.append(([depth], 1))
+    grad = loss
+    for i in range(depth, 0, -1):
+        spec.append(([grad, i], rng.choice([1, 2, 3, 5])))
+        grad = len(spec) - 1
+    g = chain_graph(spec)
+    for op in g.ops:
+        op.seconds = rng.choice([1, 2, 5, 10]) * 1e-6
+    return g
+
+
+def test_replay_without_drops_is_the_plain_simulator():
+    rng = random.Random(0)
+    for _ in range(50):
+        g = random_graph(rng, rng.randint(2, 12))
+        order = list(range(len(g)))
+        assert remat_replay(g, order, []).peak == replay(g, order).peak
+
+
+def test_dropping_frees_the_gap_and_recomputes_before_the_next_use():
+    # 0 -> 1 -> 2 -> loss 3 -> grads 4 (reads 3, 2), 5 (reads 4, 1), 6 (reads 5, 0)
+    g = chain_graph([([], 4), ([0], 8), ([1], 8), ([2], 1), ([3, 2], 2), ([4, 1], 2), ([5, 0], 2)])
+    for op in g.ops:
+        op.seconds = 3e-6
+    order = list(range(len(g)))
+    (c1,) = [c for c in candidates(g, order) if c.op == 1]
+    assert (c1.free_after, c1.recompute_at, c1.inputs) == (2, 5, (0,))
+    rep = remat_replay(g, order, [c1])
+    assert rep.segments[1] == [(1, 2), (5, 5)]
+    assert rep.extra_seconds == pytest.approx(3e-6)
+    base = remat_replay(g, order, [])
+    assert [b - a for a, b in zip(rep.live, base.live)] == [0, 0, 0, 8, 8, 0, 0]
+
+
+def ladder():
+    """Forward 1, 2, 3, loss 4; backward 5 (reads 3), 6 (reads 2), 7 (reads 1), 8 (reads 0)."""
+    return chain_graph(
+        [([], 4), ([0], 8), ([1], 8), ([2], 8), ([3], 1), ([4, 3], 2), ([5, 2], 2), ([6, 1], 2), ([7, 0], 2)]
+    )
+
+
+def test_a_drop_extends_its_inputs_through_their_own_gap():
+    g = ladder()
+    order = list(range(len(g)))
+    by_op = {c.op: c for c in candidates(g, order)}
+    assert sorted(by_op) == [0, 1, 2]  # 3 is used right after the loss: no gap to save
+    # dropping 2 (recomputed at 6) needs 1 there: 1 stays through its own gap until 6
+    rep = remat_replay(g, order, [by_op[1], by_op[2]])
+    assert rep.segments[1] == [(1, 6), (7, 7)]
+    assert rep.segments[2] == [(2, 3), (6, 6)]
+
+
+def test_random_and_mutated_ops_are_never_dropped():
+    g = ladder()
+    order = list(range(len(g)))
+    g.ops[1].random = True
+    assert sorted(c.op for c in candidates(g, order)) == [0, 2]
+    g = ladder()
+    g.ops[4].writes = [1]  # an in-place update of op 1's output, which op 2 reads
+    assert sorted(c.op for c in candidates(g, order)) == [0]
+    g = ladder()
+    g.ops[2].writes = [0]  # op 2 mutates op 0's output: 0 and 1 (which reads it) neither
+    assert sorted(c.op for c in candidates(g, order)) == []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_matches_exhaustive_search(seed):
+    rng = random.Random(seed)
+    g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
+    order = list(range(len(g)))
+    cands = candidates(g, order)
+    assert 0 < len(cands) <= 12
+    base = replay(g, order).peak
+    floor = min_feasible_budget(g, order)[0]
+    for budget in sorted({floor, (floor + base) // 2, base - 1, base}):
+        best = exhaustive_remat(g, budget, order)
+        if best is None:
+            with pytest.raises(BudgetTooSmall):
+                plan_remat(g, budget, order)
+            continue
+        plan = plan_remat(g, budget, order)
+        assert plan.peak <= budget
+        assert remat_replay(g, order, plan.dropped).peak == plan.peak
+        assert sum(map(_cost, plan.dropped)) == best[0], (budget, plan.dropped, best)
+        assert plan.optimal
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_smallest_feasible_budget_is_exact_and_named(seed):
+    rng = random.Random(100 + seed)
+    g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
+    order = list(range(len(g)))
+    cands = candidates(g, order)
+    brute = min(
+        remat_replay(g, order, [c for k, c in enumerate(cands) if mask >> k & 1]).peak
+        for mask in range(1 << len(cands))
+    )
+    smallest, choice = min_feasible_budget(g, order)
+    assert smallest == brute == remat_replay(g, order, choice).peak
+    assert plan_remat(g, smallest, order).peak <= smallest
+    with pytest.raises(BudgetTooSmall, match=f"smallest feasible budget for this step is .*{smallest} bytes") as err:
+        plan_remat(g, smallest - 1, order)
+    assert err.value.smallest == smallest
