@@ -20,6 +20,8 @@ from .errors import (
     ExecutorTimeout,
     ValueLostError,
 )
+from planner.remat import BudgetTooSmall
+
 from .placeholder import Placeholder
 from .runtime import synchronize
 from .tape import GradientTape, TapeStats
@@ -27,6 +29,6 @@ from .tape import GradientTape, TapeStats
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "CoexecError", "CoexecUsageError", "ExecutorDied", "ExecutorError", "ExecutorTimeout",
+    "BudgetTooSmall", "CoexecError", "CoexecUsageError", "ExecutorDied", "ExecutorError", "ExecutorTimeout",
     "GradientTape", "Placeholder", "TapeStats", "ValueLostError", "synchronize",
 ]  # fmt: skip

@@ -25,22 +25,30 @@ def iterations(ctx: tuple) -> tuple:
     return tuple((loop, it) for loop, _inst, it in ctx)
 
 
-def storage_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> dict[int, Hashable]:
-    """Key of every storage the trace allocates, by walking it over the graph."""
+def path_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> tuple[dict[int, Hashable], list[Hashable]]:
+    """Keys of a path's storages (storage id -> key of every storage the trace allocates) and
+    of its ops (op index -> (node id, loop iterations)), by walking it over the graph."""
     cursor = Cursor(graph, trace, mutate=False)
     keys: dict[int, Hashable] = {}
+    op_keys: list[Hashable] = [None] * len(trace.ops)
     values = trace.values
     for x in in_order(trace):
         if isinstance(x, Fetch):
             cursor.fetch(x)
             continue
         node = cursor.op(x)
-        ctx = cursor.placed[x.index][1]
+        its = iterations(cursor.placed[x.index][1])
+        op_keys[x.index] = (node.id, its)
         for sid in g.ops[x.index].allocates:
             k = next(i for i, v in enumerate(x.outputs) if values[v].storage == sid)
-            keys[sid] = (node.id, k, iterations(ctx))
+            keys[sid] = (node.id, k, its)
     cursor.finish()
-    return keys
+    return keys, op_keys
+
+
+def storage_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> dict[int, Hashable]:
+    """Key of every storage the trace allocates."""
+    return path_keys(graph, trace, g)[0]
 
 
 def plan_program_arena(graph: TraceGraph, traces: list[Trace]) -> ArenaPlan | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from executor import Executor

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from executor import Executor, ExecutorError, Free, FreeRange, Run
+from executor import Drop, Executor, ExecutorError, Free, FreeRange, ResetPeak, Restore, Run
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
 from tracegraph.schema import TensorMeta, schema_of
 
@@ -47,10 +47,11 @@ class Session:
 
     SWEEP_EVERY = 16  # submissions between sweeps
 
-    def __init__(self, executor: Executor, timeout: float, arena: Any = None) -> None:
+    def __init__(self, executor: Executor, timeout: float, arena: Any = None, remat: Any = None) -> None:
         self.executor = executor
         self.timeout = timeout
         self.arena = arena  # (ArenaPlan, arena tensor) or None
+        self.remat = remat  # coexec.budget.BudgetPlan or None
         self.base = next(_session_ids) * _VID_SPACE
         # per placeholder: [current value id, weak ref to the Python object, to the C++ tensor]
         self.tracked: list[list] = []
@@ -58,7 +59,13 @@ class Session:
         self.produced_at: dict[int, int] = {}  # trace value id -> executor position
         self.open = True
         self.stall_seconds = 0.0  # time the skeleton spent waiting on the executor
-        self._until_sweep = self.SWEEP_EVERY
+        self.sweep_every = self.SWEEP_EVERY
+        if remat is not None:
+            from .budget import SWEEP_LAG
+
+            self.sweep_every = SWEEP_LAG  # the plan counts on values freed this promptly
+        self._until_sweep = self.sweep_every
+        executor.submit(ResetPeak())
 
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
         ph = Placeholder(meta, self, vid)
@@ -85,7 +92,7 @@ class Session:
         position = self.executor.submit(ins)
         self._until_sweep -= 1
         if self._until_sweep <= 0:
-            self._until_sweep = self.SWEEP_EVERY
+            self._until_sweep = self.sweep_every
             dead = self.sweep()
             if dead:
                 self.executor.submit(Free(dead))
@@ -119,7 +126,11 @@ class Session:
                 "its op ran"
             )
         self.wait(position)
-        real = self.executor.values.get(self.base + ph._vid)
+        vid = self.base + ph._vid
+        real = self.executor.values.get(vid)
+        if real is None and vid in self.executor.recipes.dropped:
+            self.wait(self.executor.submit(Restore((vid,))))
+            real = self.executor.values.get(vid)
         if real is None:
             raise ValueLostError("this tensor's value was never computed")
         ph._real = real
@@ -129,6 +140,8 @@ class Session:
         """After the executor drained: every live placeholder gets its value, copied out of
         the arena (which the next step reuses). ``release``: the placeholders also let go of
         the session, so a kept one does not keep the step's bookkeeping alive."""
+        if self.remat is not None and self.executor.recipes.dropped:
+            self.wait(self.executor.submit(Restore(None, self.base, self.base + _VID_SPACE)))
         values = self.executor.values
         for entry in self.tracked:
             ph = entry[1]()
@@ -173,8 +186,17 @@ class Skeleton(Recorder):
         self.eager = False
         self.fallback_reason: str | None = None
         self.optimizers: list[Any] = []
+        # rematerialization (session.remat): trace storage id -> storage key of the storages
+        # the plan drops, trace values per storage, recipe ops not yet indexed, drops due
+        self._drop_sids: dict[int, Any] = {}
+        self._sid_of_key: dict[Any, int] = {}
+        self._by_storage: dict[int, list[int]] = {}
+        self._indexed = 0
+        self._new_recipes: list[tuple] = []
+        self._due: list[Any] = []
 
     def start(self, base: Any) -> None:
+        self.trace.computed = False
         super().start(base)
         self.cursor = Cursor(self.graph, self.trace, mutate=False)  # after outside_loops is set
 
@@ -187,6 +209,9 @@ class Skeleton(Recorder):
         session = self.session
         if session.executor.error is not None:
             raise_executor_error(session.executor.error)
+        remat = session.remat
+        if remat is not None:
+            self._remat_catch_up()
         if schema_of(func).inplace_view:
             # eager changes the tensor's metadata right now; a deferred op cannot
             self.fall_back(f"{func} changes a tensor's metadata in place")
@@ -222,12 +247,18 @@ class Skeleton(Recorder):
         arena_out = None
         if session.arena is not None and not data_dependent and slots and all(x is None for x in slots):
             arena_out = self._arena_out(func, node, rec, n_ret)
+        recipe = False
+        if remat is not None:
+            its = iterations(self.cursor.placed[rec.index][1])
+            if not data_dependent and not moves and all(x is None for x in slots):
+                recipe = self._is_recipe(remat, node, rec, its, n_ret)
+            self._due.extend(remat.drop_after.get((node.id, its), ()))
         position = session.submit(
             Run(
                 func, ins_args, ins_kwargs, refs,
                 tuple(base + first + j for j in range(n_ret)),
                 tuple((base + x._vid, new) for x, new in moves),
-                rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(),
+                rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(), recipe,
             )
         )  # fmt: skip
         for x, new in moves:
@@ -255,6 +286,52 @@ class Skeleton(Recorder):
         if not plan:
             return None, ()
         return (out[0] if len(plan) == 1 else tuple(out)), node.out_alias[:n_ret]
+
+    # -- rematerialization ---------------------------------------------------------------
+    def _is_recipe(self, remat: Any, node: Any, rec: OpRecord, its: tuple, n_ret: int) -> bool:
+        """Does the op make (or view) a storage the plan drops? Then the executor keeps it."""
+        values = self.trace.values
+        fresh = []
+        for k in range(n_ret):
+            alias = node.out_alias[k] if k < len(node.out_alias) else None
+            if alias is None:
+                key = (node.id, k, its)
+                if key in remat.recipe_keys:
+                    fresh.append((k, key))
+            elif alias < len(rec.inputs) and values[rec.inputs[alias]].storage in self._drop_sids:
+                return True
+        if fresh:
+            self._new_recipes.append((rec.index, fresh))
+            return True
+        return False
+
+    def _remat_catch_up(self) -> None:
+        """Before the next op: learn the storages of the ops just recorded, then drop what
+        the plan frees after them."""
+        trace = self.trace
+        values = trace.values
+        by_storage = self._by_storage
+        for v in values[self._indexed :]:
+            by_storage.setdefault(v.storage, []).append(v.vid)
+        self._indexed = len(values)
+        for index, fresh in self._new_recipes:
+            outputs = trace.ops[index].outputs
+            for k, key in fresh:
+                sid = values[outputs[k]].storage
+                self._drop_sids[sid] = key
+                self._sid_of_key[key] = sid
+        self._new_recipes.clear()
+        if self._due:
+            base = self.session.base
+            vids = tuple(
+                base + v
+                for key in self._due
+                if (sid := self._sid_of_key.get(key)) is not None
+                for v in by_storage.get(sid, ())
+            )
+            self._due.clear()
+            if vids:
+                self.session.submit(Drop(vids))
 
     def _arena_out(self, func: Any, node: Any, rec: OpRecord, n_ret: int) -> tuple | None:
         """Where the planned arena wants this op's outputs: all of them fresh, planned, and

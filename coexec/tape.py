@@ -51,6 +51,12 @@ class TapeStats:
     stall_seconds: float = 0.0
     executor_seconds: float = 0.0
     last_ops: int = 0  # ATen ops in the latest step
+    # device memory of the latest co-executed step: persistent state plus the executor's
+    # peak of live bytes (measured), and the plan's prediction for it (with a budget)
+    peak_bytes: int = 0
+    planned_peak_bytes: int | None = None
+    recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
+    over_budget_steps: int = 0  # co-executed steps over the budget (paths not yet planned)
 
 
 class Program:
@@ -65,6 +71,23 @@ class Program:
         self.paths: list = []  # traces that added to the graph: the observed paths
         self.arena_plan = None  # planner.arena.ArenaPlan over self.paths
         self.arena: torch.Tensor | None = None
+        self.budget_plan = None  # coexec.budget.BudgetPlan for self.budget
+        self.budget: int | None = None
+        self.budget_error: Exception | None = None
+
+    def replan_budget(self, budget: int | None) -> None:
+        """Plan every observed path to the budget (raises BudgetTooSmall, and keeps it to
+        raise again at the next step with the same budget)."""
+        from .budget import plan_program_budget
+
+        self.budget, self.budget_plan, self.budget_error = budget, None, None
+        if budget is None or not self.paths:
+            return
+        try:
+            self.budget_plan = plan_program_budget(self.graph, self.paths, budget)
+        except Exception as e:
+            self.budget_error = e
+            raise
 
     def replan_arena(self) -> None:
         """One arena for every observed path, validated per path by the simulator. A plan the
@@ -113,7 +136,12 @@ class GradientTape:
     ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can
     give each its own key), ``arena`` (co-executed steps write planned outputs into one
-    preallocated arena; False: every output from the allocator).
+    preallocated arena; False: every output from the allocator), ``memory_budget`` (bytes, or a
+    string like ``"6GB"`` or ``"512MiB"``: the device memory a co-executed step may use at its
+    peak, persistent state included; activations are dropped and recomputed to stay within it,
+    and a budget no plan can meet raises :class:`planner.remat.BudgetTooSmall` naming the
+    smallest feasible one. Tracing steps run eagerly, at eager's peak. Under a budget the
+    executor does not use the arena yet).
     """
 
     def __init__(
@@ -126,6 +154,7 @@ class GradientTape:
         debug: bool = False,
         key: Any = None,
         arena: bool = True,
+        memory_budget: int | str | None = None,
     ) -> None:
         if not isinstance(max_traces, int) or max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {max_traces!r}")
@@ -141,7 +170,10 @@ class GradientTape:
         self.timeout = float(timeout)
         self.debug = debug
         self.key = key
-        self.arena = arena
+        from .budget import parse_budget
+
+        self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
+        self.arena = arena and self.memory_budget is None
         self._thread = threading.get_ident()
         self._program: Program | None = None
         self._step: _Step | None = None
@@ -161,6 +193,10 @@ class GradientTape:
             cid = CODES.code_id(frame.f_code)
             where = CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
             program = _programs[key] = Program(frame.f_code, where)
+        if program.budget != self.memory_budget:
+            program.replan_budget(self.memory_budget)
+        elif program.budget_error is not None:
+            raise program.budget_error
         self._program = program
         self._step = _Step(self, program, frame)
         _local.tape = self
@@ -285,8 +321,9 @@ class _Step:
             if ex.error is not None or not ex.alive:
                 ex.reset()
             arena = (program.arena_plan, program.arena) if tape.arena and program.arena is not None else None
-            self.session = Session(ex, tape.timeout, arena)
+            self.session = Session(ex, tape.timeout, arena, program.budget_plan)
             self.busy0 = ex.busy_seconds
+            self.recomputed0 = ex.recipes.recomputed
             self.rec = Skeleton(program.graph, self.session)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
@@ -314,7 +351,6 @@ class _Step:
         leaves = sk.leaves()
         sk.stop(error)
         session = self.session
-        ex = session.executor
         if error is not None:
             # eager would have run every op issued before the exception: so does the executor
             broken = False
@@ -347,6 +383,34 @@ class _Step:
             stats.coexec_steps += 1
             if not covered:
                 self._merge(sk.trace, fell_back=False)
+            elif self.program.budget_plan is not None:
+                self._check_budget(sk)
+
+    def _check_budget(self, sk: Skeleton) -> None:
+        """A covered step may still take a path no plan has seen (a loop running more
+        iterations than any traced step), or make tensors of other sizes than the traced
+        steps did (data-dependent shapes): say so if it went over, and plan a new path."""
+        from .arena import iterations
+        from .budget import path_signature
+
+        program, stats = self.program, self.program.stats
+        planned = path_signature(sk.cursor.placed, iterations) in program.budget_plan.signatures
+        if stats.peak_bytes > program.budget:
+            stats.over_budget_steps += 1
+            why = (
+                "took a path no plan had seen yet (it is planned now)"
+                if not planned
+                else "made tensors of other sizes than its traced steps (data-dependent shapes)"
+            )
+            warnings.warn(
+                f"coexec: a step at {program.where} used {stats.peak_bytes} bytes, over its "
+                f"memory budget of {program.budget}: it {why}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if not planned:
+            program.paths.append(sk.trace)
+            program.replan_budget(program.budget)
 
     def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
         """Bind the step's placeholders, give persistent state its real tensors, and let the
@@ -355,6 +419,11 @@ class _Step:
         stats.stall_seconds += session.stall_seconds
         stats.executor_seconds += max(0.0, session.executor.busy_seconds - self.busy0)
         session.bind_all()
+        ex = session.executor
+        stats.peak_bytes = ex.memory.peak + _persistent_bytes(self.rec.trace)
+        plan = self.program.budget_plan
+        stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
+        stats.recomputed_ops = ex.recipes.recomputed - self.recomputed0
         runtime.unescape(leaves, optimizers)
         ex = session.executor
         if broken or ex.error is not None or not ex.alive:
@@ -366,9 +435,11 @@ class _Step:
         program, stats = self.program, self.program.stats
         added = program.graph.merge(trace)
         stats.traces += added
-        if added and self.tape.arena:
+        if added:
             program.paths.append(trace)
-            program.replan_arena()
+            if self.tape.arena:
+                program.replan_arena()
+            program.replan_budget(self.tape.memory_budget)
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")
@@ -387,3 +458,10 @@ class _Step:
     def _log(self, msg: str) -> None:
         if self.tape.debug:
             print(f"coexec [{self.program.where}]: {msg}", file=sys.stderr)
+
+
+def _persistent_bytes(trace: Any) -> int:
+    """Bytes of the storages a step found in place (parameters, optimizer state, inputs)."""
+    values = trace.values
+    sids = {values[v].storage for v in trace.externals}
+    return sum(trace.storage_bytes.get(sid, 0) for sid in sids)

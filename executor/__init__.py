@@ -5,6 +5,11 @@ each op on real tensors, keeps the values the skeleton still refers to, and repo
 progress back. It knows nothing of graphs or Python programs; ``coexec`` drives it.
 """
 
+from .memory import LiveBytes, ResetPeak
+from .remat import Drop, Restore
 from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, FreeRange, Run
 
-__all__ = ["Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "FreeRange", "Run"]
+__all__ = [
+    "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "FreeRange",
+    "LiveBytes", "ResetPeak", "Restore", "Run",
+]  # fmt: skip

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from .memory import LiveBytes, ResetPeak
+from .remat import Drop, Recipes, Restore
+
 
 class ExecutorError(RuntimeError):
     """An op failed on the executor. ``op_index`` and ``location`` say which op and where the
@@ -63,6 +66,7 @@ class Run:
     # ((offset, shape, stride, dtype) per returned tensor))
     arena_out: tuple | None = None
     grad_mode: bool = True  # grad mode when the op was issued: some kernels consult it
+    recipe: bool = False  # keep it to recompute its outputs after a Drop (executor/remat.py)
 
 
 @dataclass(slots=True)
@@ -118,6 +122,8 @@ class _Worker:
         self.regions = _Regions()
         self.arena_misses = 0  # planned arena outputs that had to use the allocator
         self.arena_hits = 0  # op results written into the arena
+        self.memory = LiveBytes()
+        self.recipes = Recipes(self.values, self.recall, self.free_value, self.memory)
         self.want: int | None = None
         self.event = threading.Event()
         threads = torch.get_num_threads()
@@ -146,14 +152,23 @@ class _Worker:
                 if self.error is None:
                     self.run(ins, values)
             elif type(ins) is Free:
+                recipes = self.recipes
                 for v in ins.vids:
-                    values.pop(v, None)
-                    self.regions.drop(v)
+                    if not (recipes and recipes.holds(v)):
+                        self.free_value(v)
             elif type(ins) is FreeRange:
                 for v in [v for v in values if ins.lo <= v < ins.hi]:
-                    del values[v]
+                    self.memory.remove(values.pop(v))
                 for v in [v for v in self.regions.of if ins.lo <= v < ins.hi]:
                     self.regions.drop(v)
+                self.recipes.clear_range(ins.lo, ins.hi)
+            elif type(ins) is Drop:
+                self.recipes.drop(ins.vids)
+            elif type(ins) is ResetPeak:
+                self.memory.reset_peak()
+            elif type(ins) is Restore:
+                if self.error is None:
+                    self.restore(ins)
             elif type(ins) is _Fault:
                 if ins.kind == "die":
                     return  # the thread ends with work pending, as a crash would
@@ -167,24 +182,66 @@ class _Worker:
             if w is not None and self.done >= w:
                 self.event.set()
 
+    def free_value(self, vid: int) -> None:
+        t = self.values.pop(vid, None)
+        if t is not None:
+            self.memory.remove(t)
+        self.regions.drop(vid)
+        if self.recipes:
+            self.recipes.forget(vid)
+
+    def arguments(self, ins: Run, values: dict) -> tuple[list, dict]:
+        """The instruction's arguments with its value references filled in (dropped values
+        recomputed first)."""
+        args = list(ins.args)
+        kwargs = dict(ins.kwargs)
+        for arg, item, vid in ins.refs:
+            box = kwargs if isinstance(arg, str) else args
+            t = values.get(vid)
+            if t is None:
+                t = self.recipes.get(vid)  # KeyError if it is not a dropped value either
+            if item < 0:
+                box[arg] = t
+            else:
+                if not isinstance(box[arg], list):
+                    box[arg] = list(box[arg])
+                box[arg][item] = t
+        return args, kwargs
+
+    def set_grad_mode(self, mode: bool) -> None:
+        if mode != self.grad_mode:  # (below autograd: it records nothing either way)
+            torch.set_grad_enabled(mode)
+            self.grad_mode = mode
+
+    def recall(self, ins: Run) -> list:
+        """Run a recipe again (outside the arena): its flattened outputs."""
+        mode = self.grad_mode
+        args, kwargs = self.arguments(ins, self.values)
+        self.set_grad_mode(ins.grad_mode)
+        try:
+            return _flatten(ins.func(*args, **kwargs))
+        finally:
+            self.set_grad_mode(mode)
+
+    def restore(self, ins: Restore) -> None:
+        recipes = self.recipes
+        vids = ins.vids if ins.vids is not None else [v for v in recipes.dropped if ins.lo <= v < ins.hi]
+        try:
+            recipes.restore(vids)
+        except BaseException as e:  # noqa: BLE001 - reported to the skeleton's thread
+            err = ExecutorError(f"recomputing a dropped value failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self.error = err
+
     def run(self, ins: Run, values: dict) -> None:
         args = ins.args
         kwargs = ins.kwargs
-        if ins.grad_mode != self.grad_mode:  # (below autograd: it records nothing either way)
-            torch.set_grad_enabled(ins.grad_mode)
-            self.grad_mode = ins.grad_mode
+        self.set_grad_mode(ins.grad_mode)
         try:
             if ins.refs:
-                args = list(args)
-                kwargs = dict(kwargs)
-                for arg, item, vid in ins.refs:
-                    box = kwargs if isinstance(arg, str) else args
-                    if item < 0:
-                        box[arg] = values[vid]
-                    else:
-                        if not isinstance(box[arg], list):
-                            box[arg] = list(box[arg])
-                        box[arg][item] = values[vid]
+                args, kwargs = self.arguments(ins, values)
+            if ins.moves and self.recipes:
+                self.recipes.before_write([old for old, _new in ins.moves])
             out = None
             if ins.arena_out is not None:
                 out = self.run_in_arena(ins, args, kwargs)
@@ -204,10 +261,19 @@ class _Worker:
             values[new] = values.pop(old)
             regions.rename(old, new)
         if ins.outs:
+            memory = self.memory
+            inputs = (*args, *kwargs.values())
             for vid, t in zip(ins.outs, _flatten(out)):
+                prev = values.get(vid)  # set by a move: the written argument, returned
                 values[vid] = t
+                if prev is not t:
+                    if prev is not None:
+                        memory.remove(prev)
+                    memory.add(t, inputs)
                 if regions.arena is not None:
                     regions.claim(vid, t)
+            if ins.recipe:
+                self.recipes.keep(ins)
         if ins.keep_result:
             self.results[ins.op_index] = out
 
@@ -364,6 +430,8 @@ class Executor:
     busy_seconds = property(lambda self: self._w.busy_seconds)
     arena_misses = property(lambda self: self._w.arena_misses)
     arena_hits = property(lambda self: self._w.arena_hits)
+    memory = property(lambda self: self._w.memory)  # LiveBytes of the value table
+    recipes = property(lambda self: self._w.recipes)
 
     @property
     def alive(self) -> bool:
@@ -419,6 +487,8 @@ class Executor:
             w.values.clear()
             w.results.clear()
             w.error = None
+            w.memory.__init__()
+            w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""

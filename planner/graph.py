@@ -32,6 +32,10 @@ class Storage:
     kind: str
     producer: int | None  # op that allocates it (None when persistent)
     uses: list[int] = field(default_factory=list)  # ops that read or write it, ascending
+    # the op position through which the program held it (its last tensor died then; None:
+    # unknown or held to the end); at or after the last use
+    release: int | None = None
+    fetched: bool = False  # Python read its data (so Python holds it, not only the executor)
 
 
 @dataclass(eq=False)
@@ -135,6 +139,18 @@ class PlanningGraph:
                 storages[s].kind == PERSISTENT for s in written
             ) and any(storages[s].kind != PERSISTENT for s in read)
             preds[j].discard(j)
+        for vid, at in trace.released.items():
+            s = storages.get(values[vid].storage)
+            if s is not None and s.kind == LOCAL:
+                s.release = max(at, s.release or 0, s.uses[-1] if s.uses else 0)
+        for f in trace.fetches:
+            if f.vid is not None and values[f.vid].storage in storages:
+                storages[values[f.vid].storage].fetched = True
+        for op in trace.ops:
+            if op.python_result:
+                for vid in op.outputs:
+                    if values[vid].storage in storages:
+                        storages[values[vid].storage].fetched = True
         g = cls(ops, storages, preds)
         g._add_fetch_barriers(trace)
         return g

@@ -19,8 +19,12 @@ follows from that choice:
 * :func:`min_feasible_budget` is the lowest peak any choice reaches: the number a
   :class:`BudgetTooSmall` error names.
 
+Lifetimes: a storage is needed at its uses and, in the issue order, until the program's last
+tensor on it died when the step was traced (``Storage.release``): the executor frees a value
+when Python lets go of it, not at its last use, and only dropped storages are freed earlier.
+
 What may be dropped (:func:`candidates`): ops that allocate only local storages, mutate nothing,
-whose outputs nobody mutates later, whose inputs nobody mutates before the recompute point, and
+whose outputs nobody mutates later or reads from Python, whose inputs nobody mutates before the recompute point, and
 that are not random (recomputing those needs the RNG state saved: not done yet).
 """
 
@@ -29,7 +33,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph
 
@@ -97,34 +103,48 @@ class RematPlan:
 
 
 def candidates(g: PlanningGraph, order: list[int]) -> list[Candidate]:
-    """The ops that may be dropped in ``order``, each with its gap (see the module docstring)."""
+    """The ops that may be dropped in ``order``, each with its gap: the longest stretch between
+    two of its uses; for an op with none, the longest stretch up to the recompute point of a
+    candidate that reads it (so a chain ``a -> b`` whose ``b`` is recomputed late can be
+    recomputed as a whole: ``a`` just before ``b``)."""
     pos = {v: i for i, v in enumerate(order)}
     written_at: dict[int, list[int]] = {}
     for v, op in enumerate(g.ops):
         for sid in op.writes:
             written_at.setdefault(sid, []).append(pos[v])
-    out = []
-    for v in order:
+    found: dict[int, Candidate] = {}
+    for v in reversed(order):  # readers first: their recompute points are needs too
         op = g.ops[v]
         if op.random or op.writes or not op.allocates:
             continue
         made = [g.storages[s] for s in op.allocates]
-        if any(s.kind != LOCAL or s.nbytes <= 0 or written_at.get(s.sid) for s in made):
+        if any(s.kind != LOCAL or s.nbytes <= 0 or s.fetched or written_at.get(s.sid) for s in made):
             continue
-        uses = sorted({pos[u] for s in made for u in s.uses})
-        if len(uses) < 2:
+        own = {pos[u] for s in made for u in s.uses}
+        virtual = {
+            found[u].recompute_at
+            for s in made
+            for u in s.uses
+            if u in found and found[u].recompute_at > pos[v]
+        }
+        gap = _longest_gap(own) or _longest_gap(own | virtual)
+        if gap is None:
             continue
-        a, b = max(zip(uses, uses[1:]), key=lambda ab: (ab[1] - ab[0], -ab[0]))
-        if b - a < 2:
-            continue
+        a, b = gap
         reads = [s for s in op.uses if s not in op.allocates]
-        if any(a_ <= p < b for s in reads for p in written_at.get(s, ()) for a_ in (pos[v],)):
+        if any(pos[v] <= p < b for s in reads for p in written_at.get(s, ())):
             continue
         inputs = tuple(s for s in reads if g.storages[s].kind != PERSISTENT)
-        out.append(
-            Candidate(v, tuple(op.allocates), sum(s.nbytes for s in made), op.seconds, a, b, inputs)
-        )
-    return out
+        found[v] = Candidate(v, tuple(op.allocates), sum(s.nbytes for s in made), op.seconds, a, b, inputs)
+    return [found[v] for v in order if v in found]
+
+
+def _longest_gap(points: set[int]) -> tuple[int, int] | None:
+    ps = sorted(points)
+    if len(ps) < 2:
+        return None
+    a, b = max(zip(ps, ps[1:]), key=lambda ab: (ab[1] - ab[0], -ab[0]))
+    return (a, b) if b - a >= 2 else None
 
 
 Term = tuple  # ("keep", c) | ("drop", d) | ("drop-keep", d, c): c, d are candidate op indices
@@ -151,6 +171,13 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
     n = len(order)
     pos = {v: i for i, v in enumerate(order)}
     owner = {s: c for c in cands for s in c.storages}
+
+    def held_until(s) -> set:
+        # the program holds a storage until its tensors die, and the executor frees it then:
+        # in the issue order that is a need as real as a use
+        return {min(s.release, n - 1)} if s.release is not None and issue_order else set()
+
+    issue_order = order == list(range(n))
     extra: dict[int, list[tuple[int, int]]] = {}
     for c in cands:
         for s in c.inputs:
@@ -159,7 +186,7 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
         if s.kind == PERSISTENT:
             continue
         first = pos[s.producer]
-        base = sorted({pos[u] for u in s.uses} | {first})
+        base = sorted({pos[u] for u in s.uses} | {first} | held_until(s))
         c = owner.get(s.sid)
         xs = extra.get(s.sid, [])
         if s.kind == ESCAPING or (c is None and not xs):
@@ -250,18 +277,61 @@ def _greedy(g, order, cands, budget) -> list[Candidate] | None:
     return dropped
 
 
-class _Model:
-    """The CP-SAT model: drop literals, memory constraints grouped by the decisions in play."""
+@dataclass
+class RematPath:
+    """One path of a step to plan: its graph, its op order, and a key per op index that names
+    the same op on every path (the TraceGraph node and loop iterations; default: the index).
+    A drop decision is made per key, so all paths agree on it."""
 
-    def __init__(self, g: PlanningGraph, order: list[int], cands: list[Candidate]) -> None:
+    g: PlanningGraph
+    order: list[int]
+    keys: list[Hashable] | None = None
+
+    def key(self, op: int) -> Hashable:
+        return op if self.keys is None else self.keys[op]
+
+
+def _allowed_candidates(paths: list[RematPath], banned: set) -> list[list[Candidate]]:
+    """Per path, its candidates whose key may be dropped: a candidate on every path that runs
+    the op, and not banned."""
+    per = [candidates(p.g, p.order) for p in paths]
+    runs: dict[Hashable, int] = {}
+    droppable: dict[Hashable, int] = {}
+    for p, cs in zip(paths, per):
+        for k in {p.key(op) for op in p.order}:
+            runs[k] = runs.get(k, 0) + 1
+        for c in cs:
+            droppable[p.key(c.op)] = droppable.get(p.key(c.op), 0) + 1
+    allowed = {k for k, n in droppable.items() if n == runs[k] and k not in banned}
+    return [[c for c in cs if p.key(c.op) in allowed] for p, cs in zip(paths, per)]
+
+
+class _Model:
+    """The CP-SAT model over all paths: one drop literal per op key, memory rows per path,
+    grouped by the decisions in play at each position."""
+
+    def __init__(self, paths: list[RematPath], per: list[list[Candidate]]) -> None:
         from ortools.sat.python import cp_model
 
         self.cp = cp_model
         self.model = cp_model.CpModel()
-        self.cands = cands
-        self.drop = {c.op: self.model.NewBoolVar(f"drop{c.op}") for c in cands}
+        self.drop: dict[Hashable, Any] = {}
+        self.cost: dict[Hashable, int] = {}
+        for p, cands in zip(paths, per):
+            for c in cands:
+                k = p.key(c.op)
+                if k not in self.drop:
+                    self.drop[k] = self.model.NewBoolVar(f"drop{len(self.drop)}")
+                self.cost[k] = max(self.cost.get(k, 0), _cost(c))
+        self._live: dict[tuple, Any] = {}
+        self.rows: list[tuple[int, list[tuple[int, Any]]]] = []
+        for i, (p, cands) in enumerate(zip(paths, per)):
+            self._add_path(i, p, cands)
+
+    def _add_path(self, i: int, p: RematPath, cands: list[Candidate]) -> None:
+        g, order = p.g, p.order
         n = len(order)
-        fixed = [g.ops[order[i]].workspace for i in range(n)]
+        fixed = [g.ops[order[t]].workspace for t in range(n)]
         delta = [0] * (n + 1)
         # terms[t]: {sid: terms} for storages whose residency at t depends on the decisions
         terms: list[dict[int, frozenset]] = [dict() for _ in range(n)]
@@ -273,133 +343,155 @@ class _Model:
                 for t in range(a, b):
                     terms[t][sid] = ts
         run = 0
-        for i in range(n):
-            run += delta[i]
-            fixed[i] += run
-        self.persistent = g.persistent_bytes
-        self.sizes = {s.sid: s.nbytes for s in g.storages.values()}
+        for t in range(n):
+            run += delta[t]
+            fixed[t] += run
         groups: dict[tuple, int] = {}
         for t in range(n):
             key = tuple(sorted((sid, tuple(sorted(ts))) for sid, ts in terms[t].items()))
             groups[key] = max(groups.get(key, 0), fixed[t])
-        self.groups = groups
-        self._live: dict[tuple, object] = {}
+        persistent = g.persistent_bytes
+        for key, base in groups.items():
+            lits = [(g.storages[sid].nbytes, self._resident(i, p, sid, ts)) for sid, ts in key]
+            self.rows.append((persistent + base, lits))
 
-    def _resident(self, sid: int, ts: tuple):
+    def _resident(self, i: int, p: RematPath, sid: int, ts: tuple) -> Any:
         """A literal that is true when one of the terms holds (the solver keeps it false
         otherwise, as it only ever tightens the memory rows)."""
+        drop = self.drop
         if len(ts) == 1 and ts[0][0] != "drop-keep":
             kind, op = ts[0]
-            return self.drop[op].Not() if kind == "keep" else self.drop[op]
-        key = (sid, ts)
-        if key not in self._live:
+            return drop[p.key(op)].Not() if kind == "keep" else drop[p.key(op)]
+        cache = (i, sid, ts)
+        if cache not in self._live:
             var = self.model.NewBoolVar(f"live{sid}")
             for term in ts:
                 if term[0] == "keep":
-                    self.model.AddImplication(self.drop[term[1]].Not(), var)
+                    self.model.AddImplication(drop[p.key(term[1])].Not(), var)
                 elif term[0] == "drop":
-                    self.model.AddImplication(self.drop[term[1]], var)
+                    self.model.AddImplication(drop[p.key(term[1])], var)
                 else:
-                    self.model.Add(var >= self.drop[term[1]] - self.drop[term[2]])
-            self._live[key] = var
-        return self._live[key]
+                    self.model.Add(var >= drop[p.key(term[1])] - drop[p.key(term[2])])
+            self._live[cache] = var
+        return self._live[cache]
 
-    def memory_rows(self):
-        """(fixed bytes, [(bytes, literal)]) for each group of positions."""
-        for key, base in self.groups.items():
-            yield self.persistent + base, [(self.sizes[sid], self._resident(sid, ts)) for sid, ts in key]
+    def fit(self, budget: int) -> bool:
+        """Add the budget rows; False when a row cannot hold whatever is dropped."""
+        for base, lits in self.rows:
+            if base > budget:
+                return False
+            if base + sum(size for size, _ in lits) > budget:
+                self.model.Add(sum(size * lit for size, lit in lits) <= budget - base)
+        return True
 
-    def solve(self, time_limit: float, hint: list[Candidate] | None, workers: int = 8):
+    def solve(self, time_limit: float, hint: set | None, workers: int = 8):
         if hint is not None:
-            chosen = {c.op for c in hint}
-            for op, var in self.drop.items():
-                self.model.AddHint(var, op in chosen)
+            for k, var in self.drop.items():
+                self.model.AddHint(var, k in hint)
         solver = self.cp.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.1, time_limit)
         solver.parameters.num_workers = workers
         status = solver.Solve(self.model)
-        return solver, status
+        chosen = None
+        if status in (self.cp.OPTIMAL, self.cp.FEASIBLE):
+            chosen = {k for k, var in self.drop.items() if solver.Value(var)}
+        return solver, status, chosen
 
 
-def _fit(model: _Model, budget: int) -> bool:
-    """Add the budget rows; False when a row cannot hold whatever is dropped."""
-    for base, terms in model.memory_rows():
-        if base > budget:
-            return False
-        if base + sum(size for size, _ in terms) > budget:
-            model.model.Add(sum(size * lit for size, lit in terms) <= budget - base)
-    return True
+def _replays(paths: list[RematPath], per: list[list[Candidate]], chosen: set) -> list[RematReplay]:
+    return [
+        remat_replay(p.g, p.order, [c for c in cands if p.key(c.op) in chosen])
+        for p, cands in zip(paths, per)
+    ]
+
+
+def min_feasible_budget_paths(
+    paths: list[RematPath], time_limit: float = 20.0, banned: set = frozenset()
+) -> tuple[int, set]:
+    """The lowest peak (over all paths) reachable by dropping candidates, and the keys that
+    reach it: proven lowest unless the solver ran out of time (then an achievable bound)."""
+    per = _allowed_candidates(paths, set(banned))
+    everything = {p.key(c.op) for p, cs in zip(paths, per) for c in cs}
+    options = [set(), everything]
+    if everything:
+        model = _Model(paths, per)
+        top = sum(max(r.peak for r in _replays(paths, per, o)) for o in options)
+        peak = model.model.NewIntVar(0, top, "peak")
+        for base, lits in model.rows:
+            model.model.Add(base + sum(size * lit for size, lit in lits) <= peak)
+        model.model.Minimize(peak)
+        _solver, _status, chosen = model.solve(time_limit, None)
+        if chosen is not None:
+            options.append(chosen)
+    best = min(options, key=lambda o: (max(r.peak for r in _replays(paths, per, o)), len(o)))
+    return max(r.peak for r in _replays(paths, per, best)), best
 
 
 def min_feasible_budget(
     g: PlanningGraph, order: list[int] | None = None, time_limit: float = 20.0
 ) -> tuple[int, list[Candidate]]:
-    """The lowest peak reachable by dropping candidates, and a choice that reaches it (proven
-    lowest unless the solver ran out of time: then an upper bound that is still achievable)."""
-    order = list(range(len(g))) if order is None else order
-    cands = candidates(g, order)
-    everything = remat_replay(g, order, cands)
-    if not cands:
-        return everything.peak, []
-    model = _Model(g, order, cands)
-    peak = model.model.NewIntVar(0, everything.peak + remat_replay(g, order, []).peak, "peak")
-    for base, terms in model.memory_rows():
-        model.model.Add(base + sum(size * lit for size, lit in terms) <= peak)
-    model.model.Minimize(peak)
-    solver, status = model.solve(time_limit, None)
-    best = cands if everything.peak <= remat_replay(g, order, []).peak else []
-    best_peak = remat_replay(g, order, best).peak
-    if status in (model.cp.OPTIMAL, model.cp.FEASIBLE):
-        chosen = [c for c in cands if solver.Value(model.drop[c.op])]
-        rep = remat_replay(g, order, chosen)
-        if rep.peak <= best_peak:
-            best, best_peak = chosen, rep.peak
-    return best_peak, best
+    """:func:`min_feasible_budget_paths` for one graph: the peak and the candidates dropped."""
+    path = RematPath(g, list(range(len(g))) if order is None else order)
+    peak, chosen = min_feasible_budget_paths([path], time_limit)
+    return peak, [c for c in candidates(g, path.order) if c.op in chosen]
 
 
-def plan_remat(
-    g: PlanningGraph,
-    budget: int,
-    order: list[int] | None = None,
-    time_limit: float = 30.0,
-) -> RematPlan:
-    """Meet ``budget`` (bytes at the peak, persistent state included) in ``order`` at the least
-    added recompute time; raises :class:`BudgetTooSmall` naming the smallest feasible budget."""
+def plan_remat_paths(
+    paths: list[RematPath], budget: int, time_limit: float = 30.0, banned: set = frozenset()
+) -> list[RematPlan]:
+    """Meet ``budget`` (bytes at the peak, persistent state included) on every path at the
+    least added recompute time (each key's cost counted once); one plan per path. Raises
+    :class:`BudgetTooSmall` naming the smallest feasible budget."""
     t0 = time.perf_counter()
-    order = list(range(len(g))) if order is None else order
-    base = remat_replay(g, order, [])
-    if base.peak <= budget:
-        return RematPlan(order, [], base.peak, base.peak, budget, 0.0, "none", time.perf_counter() - t0, 0.0)
-    cands = candidates(g, order)
-    warm = _greedy(g, order, cands, budget)
-    model = _Model(g, order, cands) if cands else None
-    if model is None or not _fit(model, budget):
-        smallest, _ = min_feasible_budget(g, order, time_limit=max(1.0, time_limit / 2))
-        raise BudgetTooSmall(budget, smallest)
-    model.model.Minimize(sum(_cost(c) * model.drop[c.op] for c in cands))
-    left = time_limit - (time.perf_counter() - t0)
-    solver, status = model.solve(left, warm)
+    bases = [remat_replay(p.g, p.order, []) for p in paths]
+    if all(b.peak <= budget for b in bases):
+        spent = time.perf_counter() - t0
+        return [RematPlan(p.order, [], b.peak, b.peak, budget, 0.0, "none", spent, 0.0) for p, b in zip(paths, bases)]
+    per = _allowed_candidates(paths, set(banned))
+
+    def too_small(detail: str = "") -> BudgetTooSmall:
+        smallest, _ = min_feasible_budget_paths(paths, max(1.0, time_limit / 2), banned)
+        return BudgetTooSmall(budget, smallest, detail)
+
+    warm: set | None = set()
+    for p, cands in zip(paths, per):
+        found = _greedy(p.g, p.order, cands, budget)
+        warm = None if found is None or warm is None else warm | {p.key(c.op) for c in found}
+    if warm is not None and any(r.peak > budget for r in _replays(paths, per, warm)):
+        warm = None
+    model = _Model(paths, per)
+    if not model.drop or not model.fit(budget):
+        raise too_small()
+    model.model.Minimize(sum(model.cost[k] * var for k, var in model.drop.items()))
+    solver, status, found = model.solve(time_limit - (time.perf_counter() - t0), warm)
     method, gap, chosen = "greedy", None, warm
-    if status in (model.cp.OPTIMAL, model.cp.FEASIBLE):
-        found = [c for c in cands if solver.Value(model.drop[c.op])]
-        if warm is None or sum(map(_cost, found)) <= sum(map(_cost, warm)):
+    if found is not None:
+        cost = lambda keys: sum(model.cost[k] for k in keys)  # noqa: E731
+        if warm is None or cost(found) <= cost(warm):
             chosen = found
             method = "cp-sat" if status == model.cp.OPTIMAL else "cp-sat-timeout"
         obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
         gap = 0.0 if status == model.cp.OPTIMAL else (obj - bound) / obj if obj else 0.0
     elif status == model.cp.INFEASIBLE:
-        smallest, _ = min_feasible_budget(g, order, time_limit=max(1.0, time_limit / 2))
-        raise BudgetTooSmall(budget, smallest)
+        raise too_small()
     if chosen is None:
-        smallest, _ = min_feasible_budget(g, order, time_limit=max(1.0, time_limit / 2))
-        raise BudgetTooSmall(budget, smallest, "the solver found no plan within its time limit")
-    chosen = sorted(chosen, key=lambda c: (c.recompute_at, c.op))
-    rep = remat_replay(g, order, chosen)
-    assert rep.peak <= budget, "a remat plan over its budget (planner bug)"
-    return RematPlan(
-        order, chosen, rep.peak, base.peak, budget, rep.extra_seconds, method,
-        time.perf_counter() - t0, gap,
-    )  # fmt: skip
+        raise too_small("the solver found no plan within its time limit")
+    plans = []
+    spent = time.perf_counter() - t0
+    for p, cands, base in zip(paths, per, bases):
+        dropped = sorted((c for c in cands if p.key(c.op) in chosen), key=lambda c: (c.recompute_at, c.op))
+        rep = remat_replay(p.g, p.order, dropped)
+        assert rep.peak <= budget, "a remat plan over its budget (planner bug)"
+        plans.append(RematPlan(p.order, dropped, rep.peak, base.peak, budget, rep.extra_seconds, method, spent, gap))
+    return plans
+
+
+def plan_remat(
+    g: PlanningGraph, budget: int, order: list[int] | None = None, time_limit: float = 30.0
+) -> RematPlan:
+    """:func:`plan_remat_paths` for one graph."""
+    path = RematPath(g, list(range(len(g))) if order is None else order)
+    return plan_remat_paths([path], budget, time_limit)[0]
 
 
 def exhaustive_remat(g: PlanningGraph, budget: int, order: list[int] | None = None):

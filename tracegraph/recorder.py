@@ -71,7 +71,7 @@ class Recorder:
     def __init__(self, trace: Trace | None = None) -> None:
         self.trace = trace if trace is not None else Trace()
         self.base: types.FrameType | None = None
-        self.vmap = _TensorMap()  # tensor -> value id
+        self.vmap = _TensorMap(self._released)  # tensor -> value id
         self.first_use = _TensorMap()  # leaf -> (op, input pos)
         self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
         self.held: list[torch.UntypedStorage] = []  # external storages, alive while recording
@@ -120,7 +120,7 @@ class Recorder:
                 vid for _t, vid in self.vmap.items()
             )
             self.held.clear()
-            self.vmap = _TensorMap()
+            self.vmap = _TensorMap(self._released)
             self.first_use = _TensorMap()
             self.base = None
 
@@ -147,6 +147,12 @@ class Recorder:
             return None
 
     # -- values -------------------------------------------------------------------------
+    def _released(self, vid: int) -> None:
+        """A tensor of the step died: it was held through the op recorded next."""
+        trace = self.trace
+        if trace.status == "recording":
+            trace.released[vid] = len(trace.ops)
+
     def _new_storage(self, t: torch.Tensor | None = None) -> int:
         sid = self.n_storages
         self.n_storages += 1
@@ -336,10 +342,11 @@ class _TensorMap:
     keep their identity into the backward.)
     """
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_on_release")
 
-    def __init__(self) -> None:
+    def __init__(self, on_release: Any = None) -> None:
         self._d: dict[int, tuple[weakref.ref, Any]] = {}
+        self._on_release = on_release  # called with the value when its tensor dies
 
     def keys(self) -> list[torch.Tensor]:
         """The live tensors in the map."""
@@ -357,11 +364,14 @@ class _TensorMap:
     def __setitem__(self, t: torch.Tensor, vid: Any) -> None:
         d = self._d
         key = id(t)
+        on_release = self._on_release
 
         def drop(ref: weakref.ref, d: dict = d, key: int = key) -> None:
             e = d.get(key)
             if e is not None and e[0] is ref:
                 del d[key]
+                if on_release is not None:
+                    on_release(e[1])
 
         d[key] = (weakref.ref(t, drop), vid)
 

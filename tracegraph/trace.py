@@ -130,6 +130,12 @@ class Trace:
     externals: list[int] = field(default_factory=list)  # value ids, in order of first use
     storage_bytes: dict[int, int] = field(default_factory=dict)  # storage id -> its size
     alive_at_end: frozenset = frozenset()  # value ids whose tensors outlive the step
+    # value id -> ops recorded when its tensor died (it was held through that op's position);
+    # for each tensor, only its latest value (an in-place op moves a tensor to a new value)
+    released: dict[int, int] = field(default_factory=dict)
+    # the ops ran on real tensors while recording (False for a co-execution skeleton's trace:
+    # its op times are 0 and its storage sizes are layout spans, not allocations)
+    computed: bool = True
     outside_loops: frozenset = frozenset()  # loops around the recording (see structure.py)
     status: str = "recording"  # recording | complete | failed
     error: BaseException | None = None

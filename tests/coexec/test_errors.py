@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import coexec

@@ -45,7 +45,7 @@ def test_views_share_their_base_storage_and_mutation_is_recorded():
         base = x.clone()
         v = base.view(16)
         v.add_(1.0)
-        s = base.sum()
+        base.sum()
     clone, view, add_, total = tr.ops
     st = lambda vid: tr.values[vid].storage  # noqa: E731
     assert st(view.outputs[0]) == st(clone.outputs[0])

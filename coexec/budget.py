@@ -1,0 +1,152 @@
+"""Memory budgets: what a co-executed step drops and recomputes to stay within its budget.
+
+After each new trace the program plans all observed paths together with
+:func:`planner.remat.plan_remat_paths` (issue order, the lifetimes the executor really gives values:
+until Python lets go of them, plus the skeleton's sweep lag). A path's plan is a set of ops to
+*drop*: the skeleton marks their runs as recipes and, after the op where the plan frees their
+storages, sends a ``Drop``; the executor recomputes them when next needed
+(``executor/remat.py``). Plans are expressed in keys that hold across steps (TraceGraph node,
+loop iterations), like the arena's. A budget below what any plan reaches raises
+:class:`planner.remat.BudgetTooSmall`, naming the smallest feasible budget.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from planner import PlanningGraph
+from planner.remat import RematPath, RematPlan, plan_remat_paths, remat_replay
+from tracegraph import Trace, TraceGraph
+
+from .arena import path_keys
+
+# the skeleton sweeps for dead placeholders every SWEEP_LAG submissions under a budget, so a
+# value may outlive its tensor by that many ops: the plan counts it
+SWEEP_LAG = 4
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}  # fmt: skip
+
+
+def parse_budget(budget: int | str) -> int:
+    """Bytes from an int or a string such as ``"6GB"``, ``"512 MiB"``, ``"1.5GiB"`` (GB is
+    10^9 bytes, GiB 2^30)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise TypeError(f"memory_budget must be bytes (an int) or a string like '6GB', got {budget!r}")
+    if isinstance(budget, int):
+        n = budget
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget)
+        unit = m and m.group(2).lower()
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"memory_budget {budget!r} is not a size: write bytes, or a number with one of "
+                "the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"memory_budget must be positive, got {budget!r}")
+    return n
+
+
+@dataclass
+class PathBudget:
+    """One observed path under the budget."""
+
+    plan: RematPlan
+    persistent_bytes: int
+
+
+@dataclass
+class BudgetPlan:
+    budget: int
+    recipe_keys: set = field(default_factory=set)  # storage keys whose producers are recipes
+    drop_after: dict = field(default_factory=dict)  # op key -> storage keys to drop after it
+    paths: list[PathBudget] = field(default_factory=list)
+    signatures: set = field(default_factory=set)  # path_signature of every planned path
+
+    @property
+    def planned_peak(self) -> int:
+        return max((p.plan.peak for p in self.paths), default=0)
+
+    @property
+    def recompute_seconds(self) -> float:
+        return max((p.plan.extra_seconds for p in self.paths), default=0.0)
+
+
+def _lagged(g: PlanningGraph, lag: int) -> PlanningGraph:
+    n = len(g)
+    for s in g.storages.values():
+        if s.release is not None:
+            s.release = min(n - 1, s.release + lag)
+    return g
+
+
+def plan_program_budget(
+    graph: TraceGraph, traces: list[Trace], budget: int, time_limit: float = 30.0
+) -> BudgetPlan:
+    """Plan every path to ``budget`` jointly (one decision per op key); raises
+    :class:`BudgetTooSmall` if no plan meets it. Where paths would free a dropped storage after
+    different ops, that op is kept instead and the paths are planned again."""
+    paths, storage_keys = [], []
+    for trace in traces:
+        g = _lagged(PlanningGraph.from_trace(trace), SWEEP_LAG)
+        skeys, op_keys = path_keys(graph, trace, g)
+        paths.append(RematPath(g, list(range(len(g))), op_keys))
+        storage_keys.append(skeys)
+    _fill_from_traced(paths, storage_keys, traces)
+    banned: set = set()
+    while True:
+        plans = plan_remat_paths(paths, budget, time_limit, banned)
+        drop_at: dict[Hashable, set] = {}  # storage key -> op keys after which paths drop it
+        owner: dict[Hashable, Hashable] = {}  # storage key -> key of the op that makes it
+        for path, skeys, plan in zip(paths, storage_keys, plans):
+            rep = remat_replay(path.g, path.order, plan.dropped)
+            for c in plan.dropped:
+                for sid in c.storages:
+                    early_end = rep.segments[sid][0][1]
+                    drop_at.setdefault(skeys[sid], set()).add(path.key(path.order[early_end]))
+                    owner[skeys[sid]] = path.key(c.op)
+        conflicts = {owner[k] for k, ops in drop_at.items() if len(ops) > 1}
+        if not conflicts:
+            break
+        banned |= conflicts
+    out = BudgetPlan(budget)
+    out.signatures = {tuple(p.keys) for p in paths}
+    for path, plan in zip(paths, plans):
+        out.paths.append(PathBudget(plan, path.g.persistent_bytes))
+    for key, (op_key,) in drop_at.items():
+        out.recipe_keys.add(key)
+        out.drop_after.setdefault(op_key, []).append(key)
+    return out
+
+
+def _fill_from_traced(paths: list[RematPath], storage_keys: list[dict], traces: list[Trace]) -> None:
+    """Paths recorded while co-executing have no op times (the skeleton computes nothing) and
+    only layout sizes for storages: take both from traced paths, per TraceGraph node."""
+    seconds: dict = {}
+    nbytes: dict = {}
+    for p, skeys, t in zip(paths, storage_keys, traces):
+        if t.computed:
+            for op, key in zip(p.g.ops, p.keys):
+                seconds.setdefault(key[0], op.seconds)
+            for sid, (node, k, _its) in skeys.items():
+                nbytes[node, k] = max(nbytes.get((node, k), 0), p.g.storages[sid].nbytes)
+    for p, skeys, t in zip(paths, storage_keys, traces):
+        if not t.computed:
+            for op, key in zip(p.g.ops, p.keys):
+                op.seconds = seconds.get(key[0], 0.0)
+            for sid, (node, k, _its) in skeys.items():
+                s = p.g.storages[sid]
+                s.nbytes = max(s.nbytes, nbytes.get((node, k), 0))
+
+
+def path_signature(cursor_placed: dict, iterations) -> tuple:
+    """The op keys of a co-executed step, in order: equal to a planned path's iff the step
+    took that path."""
+    return tuple((node.id, iterations(ctx)) for _i, (node, ctx) in sorted(cursor_placed.items()))

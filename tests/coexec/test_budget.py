@@ -1,0 +1,117 @@
+"""Memory budgets: parsing, the error naming the smallest feasible budget, and co-executed
+steps that drop and recompute activations yet stay bit-equal to eager and within budget."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import coexec
+from coexec.budget import parse_budget
+from planner.remat import BudgetTooSmall
+from tests.coexec.helpers import as_float, run, tensors_of
+
+
+def make():
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(128, 128), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(128, 1))
+    return SimpleNamespace(
+        model=model,
+        opt=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        data=[(torch.randn(256, 128), torch.randn(256, 1)) for _ in range(3)],
+    )
+
+
+def step(s, i):
+    x, y = s.data[i % 3]
+    loss = F.mse_loss(s.model(x), y)
+    loss.backward()
+    s.opt.step()
+    s.opt.zero_grad()
+    return loss
+
+
+def run_within(make, step, steps, budget, key):
+    """Run under ``budget``; the measured peaks of the co-executed steps on planned paths
+    (a step on a path no plan had seen may go over: it warns, and is counted in the stats)."""
+    state = make()
+    tape = coexec.GradientTape(memory_budget=budget, key=key)
+    losses, peaks = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            before, over = tape.stats.coexec_steps, tape.stats.over_budget_steps
+            with tape:
+                loss = step(state, i)
+            losses.append(as_float(loss))
+            if tape.stats.coexec_steps > before and tape.stats.over_budget_steps == over:
+                peaks.append(tape.stats.peak_bytes)
+    over_budget = [w for w in caught if "over its memory budget" in str(w.message)]
+    assert len(over_budget) == tape.stats.over_budget_steps
+    return losses, [t.detach().clone() for t in tensors_of(state)], tape, peaks
+
+
+def smallest_budget(make, step, steps, key):
+    """The smallest feasible budget, as the error names it (raising it path by path)."""
+    budget = 1
+    for attempt in range(10):
+        try:
+            run_within(make, step, steps, budget, (key, attempt))
+            return budget
+        except BudgetTooSmall as e:
+            assert e.smallest > budget
+            budget = e.smallest
+    raise AssertionError("the smallest feasible budget did not settle")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [(1000, 1000), ("6GB", 6 * 10**9), ("512MiB", 512 << 20), ("1.5 GiB", 3 << 29), ("2048", 2048), (" 3kb ", 3000)],
+)
+def test_budgets_parse_from_bytes_and_units(text, expected):
+    assert parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["6 gigs", "GB", "-1GB", 0, -5, 1.5e9, True])
+def test_bad_budgets_are_refused_with_a_clear_error(bad):
+    with pytest.raises((ValueError, TypeError), match="memory_budget"):
+        coexec.GradientTape(memory_budget=bad)
+
+
+def test_a_budget_below_the_smallest_feasible_raises_naming_it():
+    with pytest.raises(BudgetTooSmall, match=r"smallest feasible budget for this step is .*\(\d+ bytes\)") as err:
+        run_within(make, step, 4, 100_000, "budget-too-small")
+    assert err.value.budget == 100_000 and err.value.smallest > 100_000
+    # the next step with the same budget refuses at once, before running anything
+    tape = coexec.GradientTape(memory_budget=100_000, key="budget-too-small")
+    with pytest.raises(BudgetTooSmall):
+        with tape:
+            raise AssertionError("the step ran")
+
+
+def test_at_the_smallest_feasible_budget_steps_recompute_stay_within_it_and_bit_equal():
+    eager_losses, eager_state, _ = run(make, step, 6, False)
+    _, _, free_tape = run(make, step, 6, True, key="budget-none")
+    unbudgeted = free_tape.stats.peak_bytes
+    budget = smallest_budget(make, step, 6, "budget-smallest")
+    assert budget < 0.85 * unbudgeted  # the budget bites: recomputation saves real memory
+    losses, state, tape, peaks = run_within(make, step, 6, budget, "budget-run")
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    assert len(peaks) >= 2 and max(peaks) <= budget
+    assert tape.stats.recomputed_ops > 0
+    assert tape.stats.planned_peak_bytes <= budget
+
+
+def test_a_generous_budget_recomputes_nothing():
+    losses, _, tape, peaks = run_within(make, step, 5, "1GB", "budget-generous")
+    assert tape.stats.recomputed_ops == 0 and max(peaks) <= 10**9
+    assert losses == run(make, step, 5, False)[0]

@@ -1,0 +1,44 @@
+"""Every program of the suite and every zoo model at its smallest feasible memory budget:
+bit-equal to eager (dropout included), and every co-executed step on a planned path within the
+budget (a loop running more iterations than any traced step is a path no plan has seen: that
+first step may go over, with a warning; it is planned for the next time). A program whose
+tensor sizes depend on its data may go over on any step, never without a warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from examples.models import ZOO
+from examples.programs import PROGRAMS
+from tests.coexec.helpers import run
+from tracegraph.schema import schema_of
+from tests.coexec.test_budget import run_within, smallest_budget
+
+
+def has_dynamic_shapes(tape) -> bool:
+    return any(schema_of(op.key.func).dynamic_shape for t in tape._program.paths for op in t.ops)
+
+
+def check_at_smallest_budget(make, step, steps, key):
+    eager_losses, eager_state, _ = run(make, step, steps, False)
+    budget = smallest_budget(make, step, steps, key)
+    losses, state, tape, peaks = run_within(make, step, steps, budget, (key, "final"))
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    if has_dynamic_shapes(tape):
+        return tape  # (run_within checked that every step over the budget warned)
+    assert peaks and max(peaks) <= budget, (peaks, budget)
+    assert tape.stats.over_budget_steps <= steps // 2
+    return tape
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=[p.name for p in PROGRAMS])
+def test_program_at_its_smallest_budget(program):
+    check_at_smallest_budget(lambda: program(0), lambda p, i: p.step(i), 12, ("budget", program.name))
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_model_at_its_smallest_budget(name):
+    tape = check_at_smallest_budget(lambda: ZOO[name](2), lambda z, i: z.step(), 5, ("budget-zoo", name))
+    assert tape.stats.coexec_steps == 2
