@@ -259,6 +259,7 @@ class Skeleton(Recorder):
                 tuple(base + first + j for j in range(n_ret)),
                 tuple((base + x._vid, new) for x, new in moves),
                 rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(), recipe,
+                recipe and schema_of(func).random,
             )
         )  # fmt: skip
         for x, new in moves:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from executor import ExecutorDied, ExecutorError, ExecutorTimeout
+from planner.remat import BudgetTooSmall
 from tracegraph import Recorder, TraceGraph
 from tracegraph.location import CODES
 
@@ -73,7 +74,7 @@ class Program:
         self.arena: torch.Tensor | None = None
         self.budget_plan = None  # coexec.budget.BudgetPlan for self.budget
         self.budget: int | None = None
-        self.budget_error: Exception | None = None
+        self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
 
     def replan_budget(self, budget: int | None) -> None:
         """Plan every observed path to the budget (raises BudgetTooSmall, and keeps it to
@@ -85,8 +86,9 @@ class Program:
             return
         try:
             self.budget_plan = plan_program_budget(self.graph, self.paths, budget)
-        except Exception as e:
-            self.budget_error = e
+        except BudgetTooSmall as e:
+            # kept as its arguments: the exception's traceback would keep the step alive
+            self.budget_error = (e.budget, e.smallest, e.detail)
             raise
 
     def replan_arena(self) -> None:
@@ -196,7 +198,7 @@ class GradientTape:
         if program.budget != self.memory_budget:
             program.replan_budget(self.memory_budget)
         elif program.budget_error is not None:
-            raise program.budget_error
+            raise BudgetTooSmall(*program.budget_error)
         self._program = program
         self._step = _Step(self, program, frame)
         _local.tape = self

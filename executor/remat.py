@@ -15,10 +15,13 @@ and :class:`Restore` brings back dropped values the skeleton is about to read or
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass(slots=True)
@@ -52,6 +55,7 @@ class Recipes:
         self.readers: dict[int, list] = {}  # value id -> the recipes that pin it
         self.waiting: set[int] = set()  # pinned values Python let go of: freed when unpinned
         self.dropped: set[int] = set()
+        self.rng_states: dict[int, tuple] = {}  # id(recipe) -> RNG state it first ran with
         self.recomputed = 0  # recipes run again
         self.seconds = 0.0  # time spent running them
 
@@ -84,6 +88,7 @@ class Recipes:
         self.dropped.discard(vid)
         ins = self.by_out.pop(vid, None)
         if ins is not None and not any(v in self.by_out for v in ins.outs):
+            self.rng_states.pop(id(ins), None)
             self._unpin(ins)
 
     def get(self, vid: int) -> Any:
@@ -127,11 +132,14 @@ class Recipes:
                 d.pop(vid)
         self.waiting = {v for v in self.waiting if not lo <= v < hi}
         self.dropped = {v for v in self.dropped if not lo <= v < hi}
+        live = {id(ins) for ins in self.by_out.values()}
+        self.rng_states = {k: v for k, v in self.rng_states.items() if k in live}
 
     def _retire(self, ins: Any) -> None:
         for vid in ins.outs:
             if self.by_out.get(vid) is ins:
                 del self.by_out[vid]
+        self.rng_states.pop(id(ins), None)
         self._unpin(ins)
 
     def _unpin(self, ins: Any) -> None:
@@ -149,3 +157,37 @@ class Recipes:
             if vid in self.waiting:
                 self.waiting.discard(vid)
                 self.free(vid)
+
+
+def _devices(args: Any, kwargs: Any) -> set:
+    found = set()
+    for x in (*args, *kwargs.values()):
+        for t in x if isinstance(x, (list, tuple)) else (x,):
+            if isinstance(t, torch.Tensor):
+                found.add(t.device)
+    return found
+
+
+def rng_state(args: list, kwargs: dict) -> tuple:
+    """The default generators' states a random op is about to draw from: the CPU one, and
+    the CUDA one of each CUDA device among its arguments (an explicit ``generator=`` argument
+    is not replayed: such ops stay eager-equal only if nothing else draws from it)."""
+    cuda = sorted(d.index or 0 for d in _devices(args, kwargs) if d.type == "cuda")
+    return torch.get_rng_state(), tuple((i, torch.cuda.get_rng_state(i)) for i in cuda)
+
+
+@contextlib.contextmanager
+def replayed_rng(state: tuple) -> Iterator[None]:
+    """Run with the generators as they were in ``state``, then put them back."""
+    cpu, cuda = state
+    saved_cpu = torch.get_rng_state()
+    saved_cuda = [(i, torch.cuda.get_rng_state(i)) for i, _ in cuda]
+    torch.set_rng_state(cpu)
+    for i, st in cuda:
+        torch.cuda.set_rng_state(st, i)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved_cpu)
+        for i, st in saved_cuda:
+            torch.cuda.set_rng_state(st, i)

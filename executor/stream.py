@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .memory import LiveBytes, ResetPeak
-from .remat import Drop, Recipes, Restore
+from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
 
 class ExecutorError(RuntimeError):
@@ -67,6 +67,7 @@ class Run:
     arena_out: tuple | None = None
     grad_mode: bool = True  # grad mode when the op was issued: some kernels consult it
     recipe: bool = False  # keep it to recompute its outputs after a Drop (executor/remat.py)
+    random: bool = False  # a random op: a recipe keeps the RNG state it ran with
 
 
 @dataclass(slots=True)
@@ -219,6 +220,9 @@ class _Worker:
         args, kwargs = self.arguments(ins, self.values)
         self.set_grad_mode(ins.grad_mode)
         try:
+            if ins.random:  # the same random numbers as the first time; the stream goes on
+                with replayed_rng(self.recipes.rng_states[id(ins)]):
+                    return _flatten(ins.func(*args, **kwargs))
             return _flatten(ins.func(*args, **kwargs))
         finally:
             self.set_grad_mode(mode)
@@ -242,6 +246,8 @@ class _Worker:
                 args, kwargs = self.arguments(ins, values)
             if ins.moves and self.recipes:
                 self.recipes.before_write([old for old, _new in ins.moves])
+            if ins.recipe and ins.random:
+                self.recipes.rng_states[id(ins)] = rng_state(args, kwargs)
             out = None
             if ins.arena_out is not None:
                 out = self.run_in_arena(ins, args, kwargs)

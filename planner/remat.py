@@ -24,8 +24,9 @@ tensor on it died when the step was traced (``Storage.release``): the executor f
 when Python lets go of it, not at its last use, and only dropped storages are freed earlier.
 
 What may be dropped (:func:`candidates`): ops that allocate only local storages, mutate nothing,
-whose outputs nobody mutates later or reads from Python, whose inputs nobody mutates before the recompute point, and
-that are not random (recomputing those needs the RNG state saved: not done yet).
+whose outputs nobody mutates later or reads from Python, and whose inputs nobody mutates before
+the recompute point. Random ops qualify: the executor replays them with the RNG state they
+first ran with.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class BudgetTooSmall(ValueError):
     def __init__(self, budget: int, smallest: int, detail: str = "") -> None:
         self.budget = budget
         self.smallest = smallest
+        self.detail = detail
         super().__init__(
             f"a memory budget of {format_bytes(budget)} ({budget} bytes) cannot be met: the "
             f"smallest feasible budget for this step is {format_bytes(smallest)} ({smallest} bytes)"
@@ -115,7 +117,7 @@ def candidates(g: PlanningGraph, order: list[int]) -> list[Candidate]:
     found: dict[int, Candidate] = {}
     for v in reversed(order):  # readers first: their recompute points are needs too
         op = g.ops[v]
-        if op.random or op.writes or not op.allocates:
+        if op.writes or not op.allocates:
             continue
         made = [g.storages[s] for s in op.allocates]
         if any(s.kind != LOCAL or s.nbytes <= 0 or s.fetched or written_at.get(s.sid) for s in made):
@@ -155,6 +157,8 @@ def _holds(term: Term, dropped: set[int]) -> bool:
         return term[1] not in dropped
     if term[0] == "drop":
         return term[1] in dropped
+    if term[0] == "both":
+        return term[1] in dropped and term[2] in dropped
     return term[1] in dropped and term[2] not in dropped
 
 
@@ -164,10 +168,13 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
     terms holds for the chosen drops. The one statement of the semantics, shared by the
     simulator and the solver so that they cannot disagree:
 
-    a storage is resident at ``t`` when it exists (made at its producer, made again at the
-    recompute point ``r`` if its op is dropped) and is needed at some ``p >= t`` by that same
-    instance; needs are its uses and the recompute points of dropped ops that read it; a
-    remade storage is resident at ``r`` even when nothing needs it (multi-output ops)."""
+    a storage is resident at ``t`` when it exists and is needed at some ``p >= t`` by the same
+    instance; needs are its uses and the recompute points of dropped ops that read it. A
+    dropped op's storages are freed after the last use before its gap and made again at its
+    first need after that: its recompute point ``r``, or earlier, where a dropped op that reads
+    them is recomputed inside the gap (the executor recomputes on demand); a storage made again
+    early is counted resident from then on through the gap (an upper bound when it has no use
+    after the gap), and a remade storage is resident at ``r`` even if nothing needs it there."""
     n = len(order)
     pos = {v: i for i, v in enumerate(order)}
     owner = {s: c for c in cands for s in c.storages}
@@ -194,7 +201,7 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
             continue
         r = c.recompute_at if c else None
         horizon = max([base[-1], *(p for p, _ in xs), *([r] if c else [])])
-        cuts = {first, horizon + 1, *(p + 1 for p in base), *(p + 1 for p, _ in xs)}
+        cuts = {first, horizon + 1, *(p + 1 for p in base), *(p for p, _ in xs), *(p + 1 for p, _ in xs)}
         if c:
             cuts |= {r, r + 1}
         cuts = sorted(x for x in cuts if first <= x <= horizon + 1)
@@ -205,11 +212,12 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
                 if i < len(base) and base[i] < r:
                     terms = None
                 else:
-                    terms = {("drop", d) for p, d in xs if a <= p < r}
-                    if base[-1] >= r:
-                        terms.add(("keep", c.op))
-                    else:
-                        terms |= {("drop-keep", d, c.op) for p, d in xs if p >= r}
+                    remade = [d for p, d in xs if c.free_after < p <= a]  # made again for d
+                    if base[-1] >= r:  # needed after the gap: resident if kept, or made again
+                        terms = {("keep", c.op)} | {("drop", d) for d in remade}
+                    else:  # only readers need it: kept until the last, or made again
+                        terms = {("drop-keep", d, c.op) for p, d in xs if p >= a}
+                        terms |= {("both", d, c.op) for d in remade}
             elif base[-1] >= a:
                 terms = None
             else:
@@ -224,7 +232,6 @@ def remat_replay(g: PlanningGraph, order: list[int], dropped: list[Candidate]) -
     """Exact live bytes of ``order`` with the ``dropped`` ops freed and recomputed."""
     n = len(order)
     chosen = {c.op for c in dropped}
-    remade_at = {s: c.recompute_at for c in dropped for s in c.storages}
     delta = [0] * (n + 1)
     segments: dict[int, list[tuple[int, int]]] = {}
     for sid, a, b, terms in _residency(g, order, dropped):
@@ -234,7 +241,7 @@ def remat_replay(g: PlanningGraph, order: list[int], dropped: list[Candidate]) -
         delta[a] += size
         delta[b] -= size
         segs = segments.setdefault(sid, [])
-        if segs and segs[-1][1] == a - 1 and a != remade_at.get(sid):
+        if segs and segs[-1][1] == a - 1:
             segs[-1] = (segs[-1][0], b - 1)
         else:
             segs.append((a, b - 1))
@@ -359,7 +366,7 @@ class _Model:
         """A literal that is true when one of the terms holds (the solver keeps it false
         otherwise, as it only ever tightens the memory rows)."""
         drop = self.drop
-        if len(ts) == 1 and ts[0][0] != "drop-keep":
+        if len(ts) == 1 and ts[0][0] in ("keep", "drop"):
             kind, op = ts[0]
             return drop[p.key(op)].Not() if kind == "keep" else drop[p.key(op)]
         cache = (i, sid, ts)
@@ -370,6 +377,8 @@ class _Model:
                     self.model.AddImplication(drop[p.key(term[1])].Not(), var)
                 elif term[0] == "drop":
                     self.model.AddImplication(drop[p.key(term[1])], var)
+                elif term[0] == "both":
+                    self.model.Add(var >= drop[p.key(term[1])] + drop[p.key(term[2])] - 1)
                 else:
                     self.model.Add(var >= drop[p.key(term[1])] - drop[p.key(term[2])])
             self._live[cache] = var

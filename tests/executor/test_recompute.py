@@ -116,3 +116,25 @@ def test_a_free_of_a_dropped_value_retires_its_recipe_and_a_step_end_forgets_eve
         assert not ex.values and not ex.recipes.by_out and ex.memory.live == 0
     finally:
         ex.close()
+
+
+def test_a_random_recipe_replays_its_random_numbers_and_the_stream_goes_on():
+    ex = Executor("test-remat")
+    try:
+        torch.manual_seed(7)
+        ex.submit(run(aten.ones.default, [1000], outs=[1]))
+        r = run(aten.bernoulli.p, V(1), 0.5, outs=[2], recipe=True)
+        r.random = True
+        ex.submit(r)
+        ex.submit(Drop((2,)))
+        ex.submit(run(aten.rand.default, [5], outs=[3]))  # the stream moves on
+        ex.submit(Restore((2,)))  # replayed with the state the first run saw
+        ex.submit(run(aten.rand.default, [5], outs=[4]))
+        ex.drain(10)
+        torch.manual_seed(7)
+        first = torch.bernoulli(torch.ones(1000), 0.5)
+        assert torch.equal(ex.values[2], first)
+        assert torch.equal(ex.values[3], torch.rand(5))
+        assert torch.equal(ex.values[4], torch.rand(5))  # the replay did not consume the stream
+    finally:
+        ex.close()

@@ -72,28 +72,33 @@ def ladder():
     )
 
 
-def test_a_drop_extends_its_inputs_through_their_own_gap():
+def test_a_dropped_input_is_made_again_where_a_dropped_reader_needs_it():
     g = ladder()
     order = list(range(len(g)))
     by_op = {c.op: c for c in candidates(g, order)}
     assert sorted(by_op) == [0, 1, 2]  # 3 is used right after the loss: no gap to save
-    # dropping 2 (recomputed at 6) needs 1 there: 1 stays through its own gap until 6
+    # dropping 2 (recomputed at 6) needs 1 there: 1 is made again at 6, not kept until then
     rep = remat_replay(g, order, [by_op[1], by_op[2]])
-    assert rep.segments[1] == [(1, 6), (7, 7)]
+    assert rep.segments[1] == [(1, 2), (6, 7)]
     assert rep.segments[2] == [(2, 3), (6, 6)]
+    # dropping only 2 keeps 1 resident through its gap, as it is anyway
+    assert remat_replay(g, order, [by_op[2]]).segments[1] == [(1, 7)]
 
 
-def test_random_and_mutated_ops_are_never_dropped():
+def test_mutated_ops_are_never_dropped_random_ones_may_be():
     g = ladder()
     order = list(range(len(g)))
-    g.ops[1].random = True
-    assert sorted(c.op for c in candidates(g, order)) == [0, 2]
+    g.ops[1].random = True  # the executor replays it with its RNG state
+    assert sorted(c.op for c in candidates(g, order)) == [0, 1, 2]
     g = ladder()
     g.ops[4].writes = [1]  # an in-place update of op 1's output, which op 2 reads
     assert sorted(c.op for c in candidates(g, order)) == [0]
     g = ladder()
     g.ops[2].writes = [0]  # op 2 mutates op 0's output: 0 and 1 (which reads it) neither
     assert sorted(c.op for c in candidates(g, order)) == []
+    g = ladder()
+    g.storages[2].fetched = True  # Python read op 2's output: it holds it
+    assert sorted(c.op for c in candidates(g, order)) == [0, 1]
 
 
 @pytest.mark.parametrize("seed", range(12))
