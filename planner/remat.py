@@ -76,6 +76,7 @@ class Candidate:
     free_after: int
     recompute_at: int
     inputs: tuple[int, ...]  # non-persistent storages the op reads
+    at: int = -1  # the op's position in the order
 
 
 @dataclass
@@ -137,7 +138,9 @@ def candidates(g: PlanningGraph, order: list[int]) -> list[Candidate]:
         if any(pos[v] <= p < b for s in reads for p in written_at.get(s, ())):
             continue
         inputs = tuple(s for s in reads if g.storages[s].kind != PERSISTENT)
-        found[v] = Candidate(v, tuple(op.allocates), sum(s.nbytes for s in made), op.seconds, a, b, inputs)
+        found[v] = Candidate(
+            v, tuple(op.allocates), sum(s.nbytes for s in made), op.seconds, a, b, inputs, pos[v]
+        )
     return [found[v] for v in order if v in found]
 
 
@@ -149,20 +152,67 @@ def _longest_gap(points: set[int]) -> tuple[int, int] | None:
     return (a, b) if b - a >= 2 else None
 
 
-Term = tuple  # ("keep", c) | ("drop", d) | ("drop-keep", d, c): c, d are candidate op indices
+Term = tuple
+# ("keep", c): c is kept; ("drop", d): d is dropped; ("drop-keep", d, c): d dropped, c kept;
+# ("reach", c, p): c is dropped and made again by position p for a dropped reader (see _Cascade)
 
 
-def _holds(term: Term, dropped: set[int]) -> bool:
-    if term[0] == "keep":
+class _Cascade:
+    """Who makes whom again on the executor. To recompute a dropped op at ``p`` the executor
+    needs its inputs; an input dropped and not yet made again is recomputed first, and so on
+    down the chain. So candidate ``x`` is made again at ``p_e`` (the recompute point of ``e``)
+    when there is a chain ``x <- d <- ... <- e`` of dropped readers with ``p_e`` inside the gap
+    of every op on it. ``points[x]``: the ``(p_e, e)`` that may reach ``x``, by ``p_e``;
+    ``via[x][e]``: the readers of ``x`` that lead to ``e`` (``e`` itself when direct)."""
+
+    def __init__(self, cands: list[Candidate]) -> None:
+        readers: dict[int, list[Candidate]] = {}
+        for c in cands:
+            for s in c.inputs:
+                readers.setdefault(s, []).append(c)
+        self.via: dict[int, dict[int, list[int]]] = {}
+        self.points: dict[int, list[tuple[int, int]]] = {}
+        at: dict[int, int] = {}  # e -> p_e
+        for x in sorted(cands, key=lambda c: -c.at):  # readers before what they read
+            via: dict[int, list[int]] = {}
+            for d in {d.op: d for s in x.storages for d in readers.get(s, ())}.values():
+                at[d.op] = d.recompute_at
+                if x.free_after < d.recompute_at < x.recompute_at:
+                    via.setdefault(d.op, []).append(d.op)
+                for e in self.via.get(d.op, ()):
+                    if x.free_after < at[e] < x.recompute_at:
+                        via.setdefault(e, []).append(d.op)
+            self.via[x.op] = via
+            self.points[x.op] = sorted((at[e], e) for e in via)
+
+    def made_again(self, x: int, p: int, dropped: set[int], memo: dict) -> bool:
+        """Is dropped ``x`` made again by position ``p``?"""
+        return any(
+            self.reaches(x, e, dropped, memo) for pe, e in self.points.get(x, ()) if pe <= p
+        )
+
+    def reaches(self, x: int, e: int, dropped: set[int], memo: dict) -> bool:
+        key = (x, e)
+        if key not in memo:
+            memo[key] = any(
+                d in dropped and (d == e or self.reaches(d, e, dropped, memo))
+                for d in self.via[x].get(e, ())
+            )
+        return memo[key]
+
+
+def _holds(term: Term, dropped: set[int], cascade: _Cascade, memo: dict) -> bool:
+    kind = term[0]
+    if kind == "keep":
         return term[1] not in dropped
-    if term[0] == "drop":
+    if kind == "drop":
         return term[1] in dropped
-    if term[0] == "both":
-        return term[1] in dropped and term[2] in dropped
-    return term[1] in dropped and term[2] not in dropped
+    if kind == "drop-keep":
+        return term[1] in dropped and term[2] not in dropped
+    return term[1] in dropped and cascade.made_again(term[1], term[2], dropped, memo)
 
 
-def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
+def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate], cascade: _Cascade):
     """For every planned storage, ``(sid, start, stop, terms)`` pieces covering positions
     ``[start, stop)``: resident throughout when ``terms`` is None, else resident iff one of the
     terms holds for the chosen drops. The one statement of the semantics, shared by the
@@ -171,10 +221,10 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
     a storage is resident at ``t`` when it exists and is needed at some ``p >= t`` by the same
     instance; needs are its uses and the recompute points of dropped ops that read it. A
     dropped op's storages are freed after the last use before its gap and made again at its
-    first need after that: its recompute point ``r``, or earlier, where a dropped op that reads
-    them is recomputed inside the gap (the executor recomputes on demand); a storage made again
-    early is counted resident from then on through the gap (an upper bound when it has no use
-    after the gap), and a remade storage is resident at ``r`` even if nothing needs it there."""
+    first need after that: its recompute point ``r``, or earlier, where a chain of dropped
+    readers is recomputed inside the gap (:class:`_Cascade`); a storage made again early is
+    counted resident from then on through the gap (an upper bound when it has no use after the
+    gap), and a remade storage is resident at ``r`` even if nothing needs it there."""
     n = len(order)
     pos = {v: i for i, v in enumerate(order)}
     owner = {s: c for c in cands for s in c.storages}
@@ -200,8 +250,9 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
             yield s.sid, first, (n if s.kind == ESCAPING else base[-1] + 1), None
             continue
         r = c.recompute_at if c else None
+        remade_at = [p for p, _ in cascade.points.get(c.op, ())] if c else []
         horizon = max([base[-1], *(p for p, _ in xs), *([r] if c else [])])
-        cuts = {first, horizon + 1, *(p + 1 for p in base), *(p for p, _ in xs), *(p + 1 for p, _ in xs)}
+        cuts = {first, horizon + 1, *(p + 1 for p in base), *(p + 1 for p, _ in xs), *remade_at}
         if c:
             cuts |= {r, r + 1}
         cuts = sorted(x for x in cuts if first <= x <= horizon + 1)
@@ -212,12 +263,12 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate]):
                 if i < len(base) and base[i] < r:
                     terms = None
                 else:
-                    remade = [d for p, d in xs if c.free_after < p <= a]  # made again for d
-                    if base[-1] >= r:  # needed after the gap: resident if kept, or made again
-                        terms = {("keep", c.op)} | {("drop", d) for d in remade}
-                    else:  # only readers need it: kept until the last, or made again
+                    if base[-1] >= r:  # needed after the gap: resident if kept
+                        terms = {("keep", c.op)}
+                    else:  # only readers need it: resident if kept until the last of them
                         terms = {("drop-keep", d, c.op) for p, d in xs if p >= a}
-                        terms |= {("both", d, c.op) for d in remade}
+                    if remade_at and remade_at[0] <= a:  # or if made again by now
+                        terms.add(("reach", c.op, max(p for p in remade_at if p <= a)))
             elif base[-1] >= a:
                 terms = None
             else:
@@ -234,8 +285,10 @@ def remat_replay(g: PlanningGraph, order: list[int], dropped: list[Candidate]) -
     chosen = {c.op for c in dropped}
     delta = [0] * (n + 1)
     segments: dict[int, list[tuple[int, int]]] = {}
-    for sid, a, b, terms in _residency(g, order, dropped):
-        if terms is not None and not any(_holds(t, chosen) for t in terms):
+    cascade = _Cascade(dropped)
+    memo: dict = {}
+    for sid, a, b, terms in _residency(g, order, dropped, cascade):
+        if terms is not None and not any(_holds(t, chosen, cascade, memo) for t in terms):
             continue
         size = g.storages[sid].nbytes
         delta[a] += size
@@ -331,6 +384,9 @@ class _Model:
                     self.drop[k] = self.model.NewBoolVar(f"drop{len(self.drop)}")
                 self.cost[k] = max(self.cost.get(k, 0), _cost(c))
         self._live: dict[tuple, Any] = {}
+        self._reach: dict[tuple, Any] = {}  # (path, x, e) -> R: e's recomputation remakes x
+        self._by: dict[tuple, Any] = {}  # (path, x, p) -> x is remade by position p (if dropped)
+        self.cascades: list[_Cascade] = []
         self.rows: list[tuple[int, list[tuple[int, Any]]]] = []
         for i, (p, cands) in enumerate(zip(paths, per)):
             self._add_path(i, p, cands)
@@ -342,7 +398,9 @@ class _Model:
         delta = [0] * (n + 1)
         # terms[t]: {sid: terms} for storages whose residency at t depends on the decisions
         terms: list[dict[int, frozenset]] = [dict() for _ in range(n)]
-        for sid, a, b, ts in _residency(g, order, cands):
+        cascade = _Cascade(cands)
+        self.cascades.append(cascade)
+        for sid, a, b, ts in _residency(g, order, cands, cascade):
             if ts is None:
                 delta[a] += g.storages[sid].nbytes
                 delta[b] -= g.storages[sid].nbytes
@@ -377,12 +435,41 @@ class _Model:
                     self.model.AddImplication(drop[p.key(term[1])].Not(), var)
                 elif term[0] == "drop":
                     self.model.AddImplication(drop[p.key(term[1])], var)
-                elif term[0] == "both":
-                    self.model.Add(var >= drop[p.key(term[1])] + drop[p.key(term[2])] - 1)
-                else:
+                elif term[0] == "drop-keep":
                     self.model.Add(var >= drop[p.key(term[1])] - drop[p.key(term[2])])
+                else:  # reach
+                    self.model.Add(var >= drop[p.key(term[1])] + self._remade_by(i, p, term[1], term[2]) - 1)
             self._live[cache] = var
         return self._live[cache]
+
+    def _remade_by(self, i: int, p: RematPath, x: int, at: int) -> Any:
+        """A literal: a chain of dropped readers remakes ``x`` by position ``at`` (prefix ORs
+        over the recompute points, so each position costs two constraints)."""
+        key = (i, p.key(x), at)
+        if key not in self._by:
+            points = [pe for pe in self.cascades[i].points[x] if pe[0] <= at]
+            var = self.model.NewBoolVar("by")
+            earlier = [pe for pe in points if pe[0] < at]
+            if earlier:
+                self.model.AddImplication(self._remade_by(i, p, x, earlier[-1][0]), var)
+            for pe, e in points:
+                if pe == at:
+                    self.model.AddImplication(self._reaches(i, p, x, e), var)
+            self._by[key] = var
+        return self._by[key]
+
+    def _reaches(self, i: int, p: RematPath, x: int, e: int) -> Any:
+        """A literal: recomputing ``e`` remakes ``x`` (a chain of dropped readers)."""
+        key = (i, p.key(x), p.key(e))
+        if key not in self._reach:
+            var = self.model.NewBoolVar("reach")
+            self._reach[key] = var
+            for d in self.cascades[i].via[x][e]:
+                if d == e:
+                    self.model.AddImplication(self.drop[p.key(d)], var)
+                else:
+                    self.model.Add(var >= self.drop[p.key(d)] + self._reaches(i, p, d, e) - 1)
+        return self._reach[key]
 
     def fit(self, budget: int) -> bool:
         """Add the budget rows; False when a row cannot hold whatever is dropped."""
