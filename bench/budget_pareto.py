@@ -1,6 +1,6 @@
 """Time against peak memory under memory budgets, side by side in one run.
 
-    python bench/budget_pareto.py [--models gpt2-6l,mlp] [--batch 16] [--steps 5] [--out bench/out]
+    python bench/budget_pareto.py [--models gpt2-6l,mlp] [--batch 16] [--steps 5] [--device cpu]
 
 Per zoo model, one SGD training step measured as
 
@@ -10,17 +10,22 @@ Per zoo model, one SGD training step measured as
 * ``coexec``: co-executed without a budget, then with ``memory_budget`` set so that the
   activation memory (bytes made in the forward pass and still held when the backward starts,
   from the step's planning graph) is 75%, 50%, 25% of the unbudgeted one, and at the smallest
-  feasible budget (the figure ``BudgetTooSmall`` names).
+  feasible budget (the figure ``BudgetTooSmall`` names); recomputation only
+  (``offload=False``), then recomputation and offloading (``offload=True``);
+* on ``--device cuda`` also ``torch.compile`` with
+  ``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5, 0.25 and
+  ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (on a CPU there is no device memory to
+  save: both are left out there).
 
-Peaks are resident bytes, persistent state included: for eager and checkpointing the largest
-sum of live storages seen by a dispatch-mode tracker (``planner.tracker``), for coexec the
-executor's count of its live storages plus the persistent state (``TapeStats.peak_bytes``),
-next to the plan's prediction. Step times are medians over ``--steps`` steps after warm-up.
-``torch.compile`` with ``activation_memory_budget`` and ``save_on_cpu`` are not measured yet:
-the first allocates inside compiled kernels the tracker cannot see, and on a CPU-only machine
-"offloading to the CPU" moves nothing off the device.
+Peaks are resident bytes, persistent state included. On a CPU: for eager and checkpointing the
+largest sum of live storages seen by a dispatch-mode tracker (``planner.tracker``), for coexec
+the executor's count of its live storages plus the persistent state (``TapeStats.peak_bytes``),
+next to the plan's prediction. On CUDA: ``torch.cuda.max_memory_allocated`` for every method
+(coexec's own count beside it). Step times are medians over ``--steps`` steps after warm-up
+(synchronised on CUDA); "predicted ms" is the plan's step time (op times, recomputation and
+waits for copies, ``planner.offload.predict_seconds``) next to coexec's measured one.
 
-Writes ``budget_pareto.md`` (the table) and ``budget_pareto.png`` (time against peak).
+Writes ``budget_pareto_<device>.md`` (the table) and ``.png`` (time against peak).
 """
 
 from __future__ import annotations
@@ -78,6 +83,24 @@ def chain(z: ZooModel) -> list[nn.Module | object]:
     raise KeyError(f"no chain for {name}")
 
 
+def build(name: str, batch: int, device: str) -> ZooModel:
+    z = ZOO[name](batch)
+    z.model.to(device)  # the optimizer keeps the same Parameter objects
+    z.inputs = tuple(t.to(device) for t in z.inputs)
+    return z
+
+
+def peak_of(step, device: str) -> int:
+    """Peak resident bytes of one call of ``step``, persistent state included."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return eager_peak(step)
+
+
 def checkpointed_step(z: ZooModel, segments: int):
     funcs = chain(z)
 
@@ -93,10 +116,13 @@ def checkpointed_step(z: ZooModel, segments: int):
 
 
 def median_seconds(step, steps: int) -> float:
+    cuda = torch.cuda.is_available()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -111,9 +137,9 @@ def activation_bytes(trace) -> int:
     )
 
 
-def coexec_run(name: str, batch: int, steps: int, budget, key) -> dict:
-    z = ZOO[name](batch)
-    tape = coexec.GradientTape(memory_budget=budget, key=key)
+def coexec_run(name: str, batch: int, steps: int, budget, key, device: str, offload: bool = False) -> dict:
+    z = build(name, batch, device)
+    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload)
 
     def step():
         with tape:
@@ -122,36 +148,60 @@ def coexec_run(name: str, batch: int, steps: int, budget, key) -> dict:
     for _ in range(4):  # trace, trace (momentum appears), covered, first co-executed
         step()
     seconds = median_seconds(step, steps)
+    cuda_peak = peak_of(step, device) if device == "cuda" else None
     s = tape.stats
     plan = tape._program.budget_plan
     return {
         "seconds": seconds,
-        "peak": s.peak_bytes,
+        "peak": cuda_peak if cuda_peak is not None else s.peak_bytes,
+        "own count": s.peak_bytes,
         "planned": s.planned_peak_bytes,
         "recomputed": s.recomputed_ops,
-        "predicted extra ms": 1e3 * plan.recompute_seconds if plan else 0.0,
+        "offloaded": s.offloaded_storages,
+        "predicted": plan.predicted_seconds if plan else None,
         "trace": tape._program.paths[-1],
-        "coexec steps": s.coexec_steps,
     }
 
 
-def smallest_budget(name: str, batch: int) -> int:
+def smallest_budget(name: str, batch: int, device: str, offload: bool) -> int:
     budget = 1
     for attempt in range(5):
         try:
-            coexec_run(name, batch, 1, budget, ("pareto-min", name, attempt))
+            coexec_run(name, batch, 1, budget, ("pareto-min", name, offload, attempt), device, offload)
             return budget
         except coexec.BudgetTooSmall as e:
             budget = e.smallest
     return budget
 
 
-def measure(name: str, batch: int, steps: int) -> list[dict]:
+def compiled_rows(name: str, batch: int, steps: int, device: str) -> list[dict]:
+    """``torch.compile`` at activation memory budgets (CUDA only); a failure is a row too."""
+    import torch._functorch.config as fconfig
+
     rows = []
-    z = ZOO[name](batch)
+    for frac in (1.0, 0.5, 0.25):
+        row = {"model": name, "method": "torch.compile", "setting": f"activation_memory_budget={frac}"}
+        try:
+            torch._dynamo.reset()
+            with fconfig.patch(activation_memory_budget=frac):
+                z = build(name, batch, device)
+                z.model = torch.compile(z.model)
+                for _ in range(3):
+                    z.step()
+                row["peak MB"] = peak_of(z.step, device) / MB
+                row["step ms"] = 1e3 * median_seconds(z.step, steps)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row["setting"] += f" (failed: {type(e).__name__}: {str(e)[:80]})"
+        rows.append(row)
+    return rows
+
+
+def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
+    rows = []
+    z = build(name, batch, device)
     for _ in range(2):
         z.step()
-    e_peak = eager_peak(z.step)
+    e_peak = peak_of(z.step, device)
     e_sec = median_seconds(z.step, steps)
     rows.append({"model": name, "method": "eager", "setting": "-", "peak MB": e_peak / MB, "step ms": 1e3 * e_sec})
     try:
@@ -159,34 +209,49 @@ def measure(name: str, batch: int, steps: int) -> list[dict]:
     except KeyError:
         n = 0
     for k in range(1, n + 1):
-        zc = ZOO[name](batch)
+        zc = build(name, batch, device)
         step = checkpointed_step(zc, k)
         for _ in range(2):
             step()
-        peak = eager_peak(step)
         rows.append({"model": name, "method": "checkpoint_sequential", "setting": f"{k} segments",
-                     "peak MB": peak / MB, "step ms": 1e3 * median_seconds(step, steps)})  # fmt: skip
-    free = coexec_run(name, batch, steps, None, ("pareto", name, "free"))
+                     "peak MB": peak_of(step, device) / MB, "step ms": 1e3 * median_seconds(step, steps)})  # fmt: skip
+    if device == "cuda":
+        zs = build(name, batch, device)
+
+        def offloaded_step():
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return zs.step()
+
+        offloaded_step()
+        rows.append({"model": name, "method": "save_on_cpu", "setting": "pin_memory",
+                     "peak MB": peak_of(offloaded_step, device) / MB,
+                     "step ms": 1e3 * median_seconds(offloaded_step, steps)})  # fmt: skip
+        rows.extend(compiled_rows(name, batch, steps, device))
+    free = coexec_run(name, batch, steps, None, ("pareto", name, "free"), device)
     act = activation_bytes(free["trace"])
     rows.append({"model": name, "method": "coexec", "setting": "no budget", "peak MB": free["peak"] / MB,
-                 "step ms": 1e3 * free["seconds"]})  # fmt: skip
-    low = smallest_budget(name, batch)
-    budgets = [(f"act {int(f * 100)}%", int(free["peak"] - (1 - f) * act)) for f in (0.75, 0.5, 0.25)]
-    budgets = [(label, b) for label, b in budgets if b >= low] + [("smallest feasible", low)]
-    for label, b in budgets:
-        r = coexec_run(name, batch, steps, b, ("pareto", name, label))
-        rows.append({"model": name, "method": "coexec", "setting": f"{label}: {b / MB:.2f} MB",
-                     "peak MB": r["peak"] / MB, "planned MB": r["planned"] / MB, "step ms": 1e3 * r["seconds"],
-                     "vs no budget": r["seconds"] / free["seconds"], "recomputed ops": r["recomputed"],
-                     "predicted extra ms": r["predicted extra ms"], "within": r["peak"] <= b})  # fmt: skip
+                 "own MB": free["own count"] / MB, "step ms": 1e3 * free["seconds"]})  # fmt: skip
+    for offload in (False, True):
+        method = "coexec+offload" if offload else "coexec"
+        low = smallest_budget(name, batch, device, offload)
+        budgets = [(f"act {int(f * 100)}%", int(free["own count"] - (1 - f) * act)) for f in (0.75, 0.5, 0.25)]
+        budgets = [(label, b) for label, b in budgets if b >= low] + [("smallest feasible", low)]
+        for label, b in budgets:
+            r = coexec_run(name, batch, steps, b, ("pareto", name, label, offload), device, offload)
+            rows.append({"model": name, "method": method, "setting": f"{label}: {b / MB:.2f} MB",
+                         "peak MB": r["peak"] / MB, "own MB": r["own count"] / MB, "planned MB": r["planned"] / MB,
+                         "step ms": 1e3 * r["seconds"], "predicted ms": 1e3 * r["predicted"],
+                         "vs no budget": r["seconds"] / free["seconds"], "recomputed ops": r["recomputed"],
+                         "offloaded": r["offloaded"], "within": r["own count"] <= b})  # fmt: skip
     for r in rows:
-        r["peak vs eager"] = r["peak MB"] * MB / e_peak
-        r["time vs eager"] = r["step ms"] / (1e3 * e_sec)
+        if "peak MB" in r:
+            r["peak vs eager"] = r["peak MB"] * MB / e_peak
+            r["time vs eager"] = r["step ms"] / (1e3 * e_sec)
     return rows
 
 
-COLUMNS = ["model", "method", "setting", "peak MB", "planned MB", "peak vs eager", "step ms", "time vs eager",
-           "vs no budget", "recomputed ops", "predicted extra ms", "within"]  # fmt: skip
+COLUMNS = ["model", "method", "setting", "peak MB", "own MB", "planned MB", "peak vs eager", "step ms",
+           "predicted ms", "time vs eager", "vs no budget", "recomputed ops", "offloaded", "within"]  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -201,8 +266,9 @@ def plot(rows: list[dict], path: Path) -> None:
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for method, style in (("eager", "ks"), ("checkpoint_sequential", "o--"), ("coexec", "^-")):
-            sel = [r for r in rows if r["model"] == model and r["method"] == method]
+        for method, style in (("eager", "ks"), ("checkpoint_sequential", "o--"), ("coexec", "^-"),
+                              ("coexec+offload", "v-"), ("torch.compile", "D:"), ("save_on_cpu", "P")):  # fmt: skip
+            sel = [r for r in rows if r["model"] == model and r["method"] == method and "peak MB" in r]
             ax.plot([r["peak MB"] for r in sel], [r["time vs eager"] for r in sel], style, label=method)
         ax.set_xlabel("peak resident MB (persistent state included)")
         ax.set_ylabel("step time / eager")
@@ -217,6 +283,7 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2-6l,mlp,resnet18")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -225,16 +292,19 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         print(f"{name} ...", file=sys.stderr, flush=True)
-        rows.extend(measure(name, args.batch, args.steps))
+        rows.extend(measure(name, args.batch, args.steps, args.device))
     table = [{c: r.get(c, "") for c in COLUMNS} for r in rows]
     text = (
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, "
+        f"torch {torch.__version__}, {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else f", {torch.get_num_threads()} threads")
+        + f", batch {args.batch}, "
         f"medians of {args.steps} steps\n\n" + markdown_table(table) + "\n"
     )
     print(text)
-    (out / "budget_pareto.md").write_text(text)
-    plot(rows, out / "budget_pareto.png")
-    print(f"wrote {out / 'budget_pareto.md'} and {out / 'budget_pareto.png'}")
+    stem = f"budget_pareto_{args.device}"
+    (out / f"{stem}.md").write_text(text)
+    plot(rows, out / f"{stem}.png")
+    print(f"wrote {out / stem}.md and .png")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""Memory budgets: what a co-executed step drops and recomputes to stay within its budget.
+"""Memory budgets: what a co-executed step drops, recomputes and offloads to stay within its
+budget.
 
 After each new trace the program plans all observed paths together with
 :func:`planner.remat.plan_remat_paths` (issue order, the lifetimes the executor really gives values:
 until Python lets go of them, plus the skeleton's sweep lag). A path's plan is a set of ops to
 *drop*: the skeleton marks their runs as recipes and, after the op where the plan frees their
 storages, sends a ``Drop``; the executor recomputes them when next needed
-(``executor/remat.py``). Plans are expressed in keys that hold across steps (TraceGraph node,
-loop iterations), like the arena's. A budget below what any plan reaches raises
-:class:`planner.remat.BudgetTooSmall`, naming the smallest feasible budget.
-"""
+(``executor/remat.py``). With a copy bandwidth the plan also *offloads* storages: after given
+ops the skeleton sends ``Offload``, ``Wait`` and ``Prefetch`` for them, each storage with its
+slice of one host pool sized here (``executor/offload.py``). Plans are expressed in keys that
+hold across steps (TraceGraph node, loop iterations), like the arena's, and every decision must
+take effect after the same ops on every path. A budget below what any plan reaches raises
+:class:`planner.remat.BudgetTooSmall`, naming the smallest feasible budget."""
 
 from __future__ import annotations
 
@@ -16,8 +19,12 @@ import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import torch
+
+from executor import Offload, Prefetch, Wait
 from planner import PlanningGraph
-from planner.remat import RematPath, RematPlan, plan_remat_paths, remat_replay
+from planner.offload import Bandwidth
+from planner.remat import BudgetTooSmall, RematPath, RematPlan, offload_key, offload_window, plan_remat_paths, remat_replay
 from tracegraph import Trace, TraceGraph
 
 from .arena import path_keys
@@ -69,6 +76,14 @@ class BudgetPlan:
     drop_after: dict = field(default_factory=dict)  # op key -> storage keys to drop after it
     paths: list[PathBudget] = field(default_factory=list)
     signatures: set = field(default_factory=set)  # path_signature of every planned path
+    offload_keys: set = field(default_factory=set)  # storage keys parked on the host
+    # op key -> (Offload | Wait | Prefetch, storage key, host pool offset) to send after it
+    moves_after: dict = field(default_factory=dict)
+    host_bytes: int = 0  # the host pool: every offloaded storage has its own slice
+
+    @property
+    def predicted_seconds(self) -> float:
+        return max((p.plan.predicted_seconds for p in self.paths), default=0.0)
 
     @property
     def planned_peak(self) -> int:
@@ -88,11 +103,16 @@ def _lagged(g: PlanningGraph, lag: int) -> PlanningGraph:
 
 
 def plan_program_budget(
-    graph: TraceGraph, traces: list[Trace], budget: int, time_limit: float = 30.0
+    graph: TraceGraph,
+    traces: list[Trace],
+    budget: int,
+    time_limit: float = 30.0,
+    bandwidth: Bandwidth | None = None,
 ) -> BudgetPlan:
-    """Plan every path to ``budget`` jointly (one decision per op key); raises
-    :class:`BudgetTooSmall` if no plan meets it. Where paths would free a dropped storage after
-    different ops, that op is kept instead and the paths are planned again."""
+    """Plan every path to ``budget`` jointly (one decision per op key; offloading too, given
+    the copy ``bandwidth``); raises :class:`BudgetTooSmall` if no plan meets it. Where paths
+    would free a dropped storage, or move an offloaded one, after different ops, that decision
+    is banned and the paths are planned again."""
     paths, storage_keys = [], []
     for trace in traces:
         g = _lagged(PlanningGraph.from_trace(trace), SWEEP_LAG)
@@ -101,21 +121,11 @@ def plan_program_budget(
         storage_keys.append(skeys)
     _fill_from_traced(paths, storage_keys, traces)
     banned: set = set()
-    while True:
-        plans = plan_remat_paths(paths, budget, time_limit, banned)
-        drop_at: dict[Hashable, set] = {}  # storage key -> op keys after which paths drop it
-        owner: dict[Hashable, Hashable] = {}  # storage key -> key of the op that makes it
-        for path, skeys, plan in zip(paths, storage_keys, plans):
-            rep = remat_replay(path.g, path.order, plan.dropped)
-            for c in plan.dropped:
-                for sid in c.storages:
-                    early_end = rep.segments[sid][0][1]
-                    drop_at.setdefault(skeys[sid], set()).add(path.key(path.order[early_end]))
-                    owner[skeys[sid]] = path.key(c.op)
-        conflicts = {owner[k] for k, ops in drop_at.items() if len(ops) > 1}
-        if not conflicts:
-            break
-        banned |= conflicts
+    try:
+        plans, drop_at, moved_at = _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth)
+    except BudgetTooSmall as e:
+        smallest = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, banned, bandwidth)
+        raise BudgetTooSmall(budget, smallest, e.detail) from None
     out = BudgetPlan(budget)
     out.signatures = {tuple(p.keys) for p in paths}
     for path, plan in zip(paths, plans):
@@ -123,12 +133,56 @@ def plan_program_budget(
     for key, (op_key,) in drop_at.items():
         out.recipe_keys.add(key)
         out.drop_after.setdefault(op_key, []).append(key)
+    for key, ((after, nbytes),) in moved_at.items():
+        out.offload_keys.add(key)
+        for kind, op_key in zip((Offload, Wait, Prefetch), after):
+            out.moves_after.setdefault(op_key, []).append((kind, key, out.host_bytes))
+        out.host_bytes += -(-nbytes // 512) * 512  # slices aligned for fast copies
     return out
+
+
+def _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth):
+    """Plans for every path that agree where each shared decision takes effect: a decision
+    that paths would carry out after different ops is added to ``banned`` and the paths are
+    planned again. Returns the plans and, per storage key, where it is dropped and moved."""
+    while True:
+        plans = plan_remat_paths(paths, budget, time_limit, banned, bandwidth)
+        drop_at: dict[Hashable, set] = {}  # storage key -> op keys after which paths drop it
+        owner: dict[Hashable, Hashable] = {}  # storage key -> key of the decision about it
+        moved_at: dict[Hashable, set] = {}  # storage key -> (after which ops it moves, size)s
+        for path, skeys, plan in zip(paths, storage_keys, plans):
+            rep = remat_replay(path.g, path.order, plan.dropped, plan.offloaded)
+            for c in plan.dropped:
+                for sid in c.storages:
+                    early_end = rep.segments[sid][0][1]
+                    drop_at.setdefault(skeys[sid], set()).add(path.key(path.order[early_end]))
+                    owner[skeys[sid]] = path.key(c.op)
+            for o in plan.offloaded:
+                moved_at.setdefault(skeys[o.sid], set()).add(offload_window(path, o))
+                owner[skeys[o.sid]] = offload_key(path, o)
+        conflicts = {owner[k] for k, ops in (*drop_at.items(), *moved_at.items()) if len(ops) > 1}
+        if not conflicts:
+            return plans, drop_at, moved_at
+        banned |= conflicts
+
+
+def _agreed_smallest(paths, storage_keys, smallest, time_limit, banned, bandwidth) -> int:
+    """The smallest budget for which :func:`_agreed_plans` succeeds: the solver's smallest
+    peak, raised while the decisions reaching it disagree between paths (each round bans
+    more), so that the budget an error names is one that really plans."""
+    for _ in range(20):
+        try:
+            _agreed_plans(paths, storage_keys, smallest, time_limit, banned, bandwidth)
+            return smallest
+        except BudgetTooSmall as e:
+            smallest = e.smallest
+    return smallest
 
 
 def _fill_from_traced(paths: list[RematPath], storage_keys: list[dict], traces: list[Trace]) -> None:
     """Paths recorded while co-executing have no op times (the skeleton computes nothing) and
-    only layout sizes for storages: take both from traced paths, per TraceGraph node."""
+    only layout sizes for storages: take both from traced paths, per TraceGraph node; every
+    path gets the same time for the same node."""
     seconds: dict = {}
     nbytes: dict = {}
     for p, skeys, t in zip(paths, storage_keys, traces):
@@ -138,12 +192,23 @@ def _fill_from_traced(paths: list[RematPath], storage_keys: list[dict], traces: 
             for sid, (node, k, _its) in skeys.items():
                 nbytes[node, k] = max(nbytes.get((node, k), 0), p.g.storages[sid].nbytes)
     for p, skeys, t in zip(paths, storage_keys, traces):
+        # one time per op for every path (the first traced one), so that timing noise cannot
+        # make paths disagree on where an offloaded storage's copies land
+        for op, key in zip(p.g.ops, p.keys):
+            op.seconds = seconds.get(key[0], 0.0)
         if not t.computed:
-            for op, key in zip(p.g.ops, p.keys):
-                op.seconds = seconds.get(key[0], 0.0)
             for sid, (node, k, _its) in skeys.items():
                 s = p.g.storages[sid]
                 s.nbytes = max(s.nbytes, nbytes.get((node, k), 0))
+
+
+def step_device(traces: list[Trace]) -> "torch.device":
+    """Where a step's tensors live: the first CUDA device among its values, else the CPU."""
+    for t in traces:
+        for v in t.values:
+            if v.meta.device.type == "cuda":
+                return v.meta.device
+    return torch.device("cpu")
 
 
 def path_signature(cursor_placed: dict, iterations) -> tuple:

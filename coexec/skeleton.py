@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from executor import Drop, Executor, ExecutorError, Free, FreeRange, ResetPeak, Restore, Run
+from executor import (
+    Drop, Executor, ExecutorError, Free, FreeRange, HostPool, Offload, ResetPeak, Restore, Run,
+)  # fmt: skip
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
 from tracegraph.schema import TensorMeta, schema_of
 
@@ -64,6 +66,8 @@ class Session:
             from .budget import SWEEP_LAG
 
             self.sweep_every = SWEEP_LAG  # the plan counts on values freed this promptly
+            if remat.host_bytes:
+                executor.submit(HostPool(remat.host_bytes))
         self._until_sweep = self.sweep_every
         executor.submit(ResetPeak())
 
@@ -128,7 +132,7 @@ class Session:
         self.wait(position)
         vid = self.base + ph._vid
         real = self.executor.values.get(vid)
-        if real is None and vid in self.executor.recipes.dropped:
+        if real is None and (vid in self.executor.recipes.dropped or vid in self.executor.offloads.parcels):
             self.wait(self.executor.submit(Restore((vid,))))
             real = self.executor.values.get(vid)
         if real is None:
@@ -140,7 +144,7 @@ class Session:
         """After the executor drained: every live placeholder gets its value, copied out of
         the arena (which the next step reuses). ``release``: the placeholders also let go of
         the session, so a kept one does not keep the step's bookkeeping alive."""
-        if self.remat is not None and self.executor.recipes.dropped:
+        if self.remat is not None and (self.executor.recipes.dropped or self.executor.offloads.parcels):
             self.wait(self.executor.submit(Restore(None, self.base, self.base + _VID_SPACE)))
         values = self.executor.values
         for entry in self.tracked:
@@ -194,6 +198,8 @@ class Skeleton(Recorder):
         self._indexed = 0
         self._new_recipes: list[tuple] = []
         self._due: list[Any] = []
+        self._new_parked: list[tuple] = []  # (op index, output slot, storage key) to offload
+        self._due_moves: list[tuple] = []  # (instruction class, storage key, host offset)
 
     def start(self, base: Any) -> None:
         self.trace.computed = False
@@ -252,7 +258,14 @@ class Skeleton(Recorder):
             its = iterations(self.cursor.placed[rec.index][1])
             if not data_dependent and not moves and all(x is None for x in slots):
                 recipe = self._is_recipe(remat, node, rec, its, n_ret)
-            self._due.extend(remat.drop_after.get((node.id, its), ()))
+            at = (node.id, its)
+            self._due.extend(remat.drop_after.get(at, ()))
+            if remat.offload_keys:
+                for k in range(n_ret):
+                    key = (node.id, k, its)
+                    if key in remat.offload_keys and (k >= len(node.out_alias) or node.out_alias[k] is None):
+                        self._new_parked.append((rec.index, k, key))
+                self._due_moves.extend(remat.moves_after.get(at, ()))
         position = session.submit(
             Run(
                 func, ins_args, ins_kwargs, refs,
@@ -322,6 +335,15 @@ class Skeleton(Recorder):
                 self._drop_sids[sid] = key
                 self._sid_of_key[key] = sid
         self._new_recipes.clear()
+        for index, k, key in self._new_parked:
+            self._sid_of_key[key] = values[trace.ops[index].outputs[k]].storage
+        self._new_parked.clear()
+        for kind, key, offset in self._due_moves:
+            sid = self._sid_of_key.get(key)
+            if sid is not None:
+                vids = tuple(self.session.base + v for v in by_storage.get(sid, ()))
+                self.session.submit(Offload(vids, offset) if kind is Offload else kind(vids))
+        self._due_moves.clear()
         if self._due:
             base = self.session.base
             vids = tuple(

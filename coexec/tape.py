@@ -57,6 +57,11 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
+    offloaded_storages: int = 0  # storages parked on the host in the latest step
+    copy_wait_seconds: float = 0.0  # of the latest step: the executor waiting for copies
+    # the latest co-executed step from entry to its end (drained), and the plan's prediction
+    step_seconds: float = 0.0
+    planned_step_seconds: float | None = None
     over_budget_steps: int = 0  # co-executed steps over the budget (paths not yet planned)
 
 
@@ -75,17 +80,25 @@ class Program:
         self.budget_plan = None  # coexec.budget.BudgetPlan for self.budget
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
+        self.offload: bool | None = None  # the tape's offload setting the plan was made with
 
-    def replan_budget(self, budget: int | None) -> None:
+    def replan_budget(self, budget: int | None, offload: bool | None = None) -> None:
         """Plan every observed path to the budget (raises BudgetTooSmall, and keeps it to
-        raise again at the next step with the same budget)."""
-        from .budget import plan_program_budget
+        raise again at the next step with the same budget). ``offload``: park storages on the
+        host too (None: when the step runs on a GPU)."""
+        from executor import measure_bandwidth
 
-        self.budget, self.budget_plan, self.budget_error = budget, None, None
+        from .budget import plan_program_budget, step_device
+
+        self.budget, self.offload, self.budget_plan, self.budget_error = budget, offload, None, None
         if budget is None or not self.paths:
             return
+        device = step_device(self.paths)
+        if offload is None:
+            offload = device.type == "cuda"
+        bandwidth = measure_bandwidth(device) if offload else None
         try:
-            self.budget_plan = plan_program_budget(self.graph, self.paths, budget)
+            self.budget_plan = plan_program_budget(self.graph, self.paths, budget, bandwidth=bandwidth)
         except BudgetTooSmall as e:
             # kept as its arguments: the exception's traceback would keep the step alive
             self.budget_error = (e.budget, e.smallest, e.detail)
@@ -143,7 +156,10 @@ class GradientTape:
     peak, persistent state included; activations are dropped and recomputed to stay within it,
     and a budget no plan can meet raises :class:`planner.remat.BudgetTooSmall` naming the
     smallest feasible one. Tracing steps run eagerly, at eager's peak. Under a budget the
-    executor does not use the arena yet).
+    executor does not use the arena yet), ``offload`` (under a budget, also park activations
+    in a host pool across their idle stretch, copied on a stream or thread beside the compute
+    at the bandwidth measured on the machine; ``None``, the default: when the step runs on a
+    GPU).
     """
 
     def __init__(
@@ -157,6 +173,7 @@ class GradientTape:
         key: Any = None,
         arena: bool = True,
         memory_budget: int | str | None = None,
+        offload: bool | None = None,
     ) -> None:
         if not isinstance(max_traces, int) or max_traces < 1:
             raise ValueError(f"max_traces must be a positive int, got {max_traces!r}")
@@ -175,6 +192,9 @@ class GradientTape:
         from .budget import parse_budget
 
         self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
+        if offload not in (None, True, False):
+            raise TypeError(f"offload must be True, False or None (automatic), got {offload!r}")
+        self.offload = offload
         self.arena = arena and self.memory_budget is None
         self._thread = threading.get_ident()
         self._program: Program | None = None
@@ -195,8 +215,8 @@ class GradientTape:
             cid = CODES.code_id(frame.f_code)
             where = CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
             program = _programs[key] = Program(frame.f_code, where)
-        if program.budget != self.memory_budget:
-            program.replan_budget(self.memory_budget)
+        if program.budget != self.memory_budget or program.offload != self.offload:
+            program.replan_budget(self.memory_budget, self.offload)
         elif program.budget_error is not None:
             raise BudgetTooSmall(*program.budget_error)
         self._program = program
@@ -326,6 +346,7 @@ class _Step:
             self.session = Session(ex, tape.timeout, arena, program.budget_plan)
             self.busy0 = ex.busy_seconds
             self.recomputed0 = ex.recipes.recomputed
+            self.offloads0 = (ex.offloads.offloaded, ex.offloads.wait_seconds)
             self.rec = Skeleton(program.graph, self.session)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
@@ -412,7 +433,7 @@ class _Step:
             )
         if not planned:
             program.paths.append(sk.trace)
-            program.replan_budget(program.budget)
+            program.replan_budget(program.budget, program.offload)
 
     def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
         """Bind the step's placeholders, give persistent state its real tensors, and let the
@@ -426,6 +447,10 @@ class _Step:
         plan = self.program.budget_plan
         stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
         stats.recomputed_ops = ex.recipes.recomputed - self.recomputed0
+        stats.offloaded_storages = ex.offloads.offloaded - self.offloads0[0]
+        stats.copy_wait_seconds = ex.offloads.wait_seconds - self.offloads0[1]
+        stats.step_seconds = time.perf_counter() - self.t0
+        stats.planned_step_seconds = plan.predicted_seconds if plan is not None else None
         runtime.unescape(leaves, optimizers)
         ex = session.executor
         if broken or ex.error is not None or not ex.alive:
@@ -441,7 +466,7 @@ class _Step:
             program.paths.append(trace)
             if self.tape.arena:
                 program.replan_arena()
-            program.replan_budget(self.tape.memory_budget)
+            program.replan_budget(self.tape.memory_budget, self.tape.offload)
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")

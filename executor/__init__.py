@@ -6,10 +6,12 @@ progress back. It knows nothing of graphs or Python programs; ``coexec`` drives 
 """
 
 from .memory import LiveBytes, ResetPeak
+from .offload import HostPool, Offload, Prefetch, Wait, measure_bandwidth
 from .remat import Drop, Restore
 from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, FreeRange, Run
 
 __all__ = [
     "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "FreeRange",
-    "LiveBytes", "ResetPeak", "Restore", "Run",
+    "HostPool", "LiveBytes", "Offload", "Prefetch", "ResetPeak", "Restore", "Run", "Wait",
+    "measure_bandwidth",
 ]  # fmt: skip

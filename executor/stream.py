@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .memory import LiveBytes, ResetPeak
+from .offload import HostPool, Offload, Offloads, Prefetch, Wait
 from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
 
@@ -125,6 +126,7 @@ class _Worker:
         self.arena_hits = 0  # op results written into the arena
         self.memory = LiveBytes()
         self.recipes = Recipes(self.values, self.recall, self.free_value, self.memory)
+        self.offloads = Offloads(self.values, self.memory)
         self.want: int | None = None
         self.event = threading.Event()
         threads = torch.get_num_threads()
@@ -163,8 +165,18 @@ class _Worker:
                 for v in [v for v in self.regions.of if ins.lo <= v < ins.hi]:
                     self.regions.drop(v)
                 self.recipes.clear_range(ins.lo, ins.hi)
+                self.offloads.clear_range(ins.lo, ins.hi)
             elif type(ins) is Drop:
                 self.recipes.drop(ins.vids)
+            elif type(ins) is Offload:
+                self.offloads.offload(ins)
+            elif type(ins) is Wait:
+                self.offloads.wait_out(ins)
+            elif type(ins) is Prefetch:
+                if self.error is None:
+                    self.offloads.prefetch(ins)
+            elif type(ins) is HostPool:
+                self.offloads.size_pool(ins.nbytes, torch.cuda.is_available())
             elif type(ins) is ResetPeak:
                 self.memory.reset_peak()
             elif type(ins) is Restore:
@@ -190,6 +202,8 @@ class _Worker:
         self.regions.drop(vid)
         if self.recipes:
             self.recipes.forget(vid)
+        if self.offloads:
+            self.offloads.forget(vid)
 
     def arguments(self, ins: Run, values: dict) -> tuple[list, dict]:
         """The instruction's arguments with its value references filled in (dropped values
@@ -200,7 +214,7 @@ class _Worker:
             box = kwargs if isinstance(arg, str) else args
             t = values.get(vid)
             if t is None:
-                t = self.recipes.get(vid)  # KeyError if it is not a dropped value either
+                t = self.fetch(vid)
             if item < 0:
                 box[arg] = t
             else:
@@ -208,6 +222,13 @@ class _Worker:
                     box[arg] = list(box[arg])
                 box[arg][item] = t
         return args, kwargs
+
+    def fetch(self, vid: int) -> Any:
+        """A value not in the table: parked on the host (copied back) or dropped (recomputed);
+        KeyError if neither."""
+        if vid in self.offloads.parcels:
+            return self.offloads.get(vid)
+        return self.recipes.get(vid)
 
     def set_grad_mode(self, mode: bool) -> None:
         if mode != self.grad_mode:  # (below autograd: it records nothing either way)
@@ -229,8 +250,13 @@ class _Worker:
 
     def restore(self, ins: Restore) -> None:
         recipes = self.recipes
-        vids = ins.vids if ins.vids is not None else [v for v in recipes.dropped if ins.lo <= v < ins.hi]
+        offloads = self.offloads
+        if ins.vids is not None:
+            vids = ins.vids
+        else:
+            vids = [v for v in (*recipes.dropped, *offloads.parcels) if ins.lo <= v < ins.hi]
         try:
+            offloads.restore(vids)
             recipes.restore(vids)
         except BaseException as e:  # noqa: BLE001 - reported to the skeleton's thread
             err = ExecutorError(f"recomputing a dropped value failed: {type(e).__name__}: {e}")
@@ -246,6 +272,8 @@ class _Worker:
                 args, kwargs = self.arguments(ins, values)
             if ins.moves and self.recipes:
                 self.recipes.before_write([old for old, _new in ins.moves])
+            if ins.moves and self.offloads.out:
+                self.offloads.before_write([old for old, _new in ins.moves])
             if ins.recipe and ins.random:
                 self.recipes.rng_states[id(ins)] = rng_state(args, kwargs)
             out = None
@@ -438,6 +466,7 @@ class Executor:
     arena_hits = property(lambda self: self._w.arena_hits)
     memory = property(lambda self: self._w.memory)  # LiveBytes of the value table
     recipes = property(lambda self: self._w.recipes)
+    offloads = property(lambda self: self._w.offloads)
 
     @property
     def alive(self) -> bool:
@@ -495,6 +524,7 @@ class Executor:
             w.error = None
             w.memory.__init__()
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
+            w.offloads = Offloads(w.values, w.memory)
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""

@@ -39,8 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph
+from .offload import Bandwidth, OffloadCandidate, channel_shares, offload_candidates, predict_seconds
 
 MICROSECOND = 1e-6  # cost unit of the CP-SAT objective; every recomputation costs at least one
+# an offload costs no compute when its copies overlap (the channel rows see to that): one unit,
+# so that storages are parked only when the budget needs it
+OFFLOAD_COST = 1
 
 
 class BudgetTooSmall(ValueError):
@@ -86,6 +90,7 @@ class RematReplay:
     extra_seconds: float
     live: list[int]  # live planned bytes at each position (without persistent, workspace)
     segments: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # sid -> [first, last]s
+    offloaded: list[OffloadCandidate] = field(default_factory=list)
 
 
 @dataclass
@@ -99,6 +104,9 @@ class RematPlan:
     method: str  # "none", "greedy", "cp-sat" (proven optimal), "cp-sat-timeout"
     seconds: float
     gap: float | None = None  # CP-SAT's relative gap on the added time (0: optimal)
+    offloaded: list[OffloadCandidate] = field(default_factory=list)  # storages parked on the host
+    predicted_seconds: float = 0.0  # the step with recomputation and copies (predict_seconds)
+    stall_seconds: float = 0.0  # of which waiting for copies
 
     @property
     def optimal(self) -> bool:
@@ -209,7 +217,29 @@ def _holds(term: Term, dropped: set[int], cascade: _Cascade, memo: dict) -> bool
         return term[1] in dropped
     if kind == "drop-keep":
         return term[1] in dropped and term[2] not in dropped
+    if kind == "on":  # ("on", sid, inner): the storage is not offloaded, and inner holds
+        return term[1] not in memo["offloaded"] and (term[2] is None or _holds(term[2], dropped, cascade, memo))
     return term[1] in dropped and cascade.made_again(term[1], term[2], dropped, memo)
+
+
+def _with_offloads(pieces, offs: list[OffloadCandidate]):
+    """Residency pieces with each offload candidate's off-device stretch made conditional on
+    the storage staying (term ``("on", sid, inner)``)."""
+    by_sid = {o.sid: o for o in offs}
+    for sid, a, b, terms in pieces:
+        o = by_sid.get(sid)
+        if o is None:
+            yield sid, a, b, terms
+            continue
+        lo, hi = o.released + 1, o.prefetch
+        for x, y in ((a, min(b, lo)), (max(a, lo), min(b, hi)), (max(a, hi), b)):
+            if x >= y:
+                continue
+            if lo <= x and y <= hi:
+                on = frozenset({("on", sid, None)}) if terms is None else frozenset(("on", sid, t) for t in terms)
+                yield sid, x, y, on
+            else:
+                yield sid, x, y, terms
 
 
 def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate], cascade: _Cascade):
@@ -279,15 +309,21 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate], casca
                 yield s.sid, a, b, (None if terms is None else frozenset(terms))
 
 
-def remat_replay(g: PlanningGraph, order: list[int], dropped: list[Candidate]) -> RematReplay:
-    """Exact live bytes of ``order`` with the ``dropped`` ops freed and recomputed."""
+def remat_replay(
+    g: PlanningGraph, order: list[int], dropped: list[Candidate], offloaded: list[OffloadCandidate] = ()
+) -> RematReplay:
+    """Exact live bytes of ``order`` with the ``dropped`` ops freed and recomputed and the
+    ``offloaded`` storages parked on the host in their windows."""
     n = len(order)
     chosen = {c.op for c in dropped}
     delta = [0] * (n + 1)
     segments: dict[int, list[tuple[int, int]]] = {}
     cascade = _Cascade(dropped)
-    memo: dict = {}
-    for sid, a, b, terms in _residency(g, order, dropped, cascade):
+    clash = [(o.sid, d) for o in offloaded for d in offload_conflicts(o, dropped, cascade)]
+    if clash or any(o.producer in chosen for o in offloaded):
+        raise ValueError(f"offloaded storages needed while parked (storage, dropped op): {clash}")
+    memo: dict = {"offloaded": {o.sid for o in offloaded}}
+    for sid, a, b, terms in _with_offloads(_residency(g, order, dropped, cascade), list(offloaded)):
         if terms is not None and not any(_holds(t, chosen, cascade, memo) for t in terms):
             continue
         size = g.storages[sid].nbytes
@@ -306,7 +342,28 @@ def remat_replay(g: PlanningGraph, order: list[int], dropped: list[Candidate]) -
     peak_at = max(range(n), key=work.__getitem__) if n else 0
     peak = g.persistent_bytes + (work[peak_at] if n else 0)
     extra_seconds = sum(c.seconds for c in dropped)
-    return RematReplay(peak, peak_at, extra_seconds, live, segments)
+    return RematReplay(peak, peak_at, extra_seconds, live, segments, list(offloaded))
+
+
+def offload_conflicts(o: OffloadCandidate, cands: list[Candidate], cascade: _Cascade) -> list[int]:
+    """The candidates that cannot be dropped if ``o`` is offloaded: readers of its storage
+    that may be recomputed (or made again for a chain) while it is off the device."""
+    off = o.off
+    return [
+        c.op
+        for c in cands
+        if o.sid in c.inputs
+        and (c.recompute_at in off or any(p in off for p, _e in cascade.points.get(c.op, ())))
+    ]
+
+
+def predict(g: PlanningGraph, order: list[int], dropped: list[Candidate], offloaded: list[OffloadCandidate]) -> tuple[float, float]:
+    """:func:`planner.offload.predict_seconds` of a plan: (step seconds, of which stalls).
+    A dropped op is counted at its recompute point (chains made again earlier cost the same)."""
+    at: dict[int, float] = {}
+    for c in dropped:
+        at[c.recompute_at] = at.get(c.recompute_at, 0.0) + c.seconds
+    return predict_seconds(g, order, at, offloaded)
 
 
 def _cost(c: Candidate) -> int:
@@ -366,32 +423,51 @@ def _allowed_candidates(paths: list[RematPath], banned: set) -> list[list[Candid
     return [[c for c in cs if p.key(c.op) in allowed] for p, cs in zip(paths, per)]
 
 
-class _Model:
-    """The CP-SAT model over all paths: one drop literal per op key, memory rows per path,
-    grouped by the decisions in play at each position."""
+def offload_key(p: RematPath, o: OffloadCandidate) -> Hashable:
+    """The decision key of offloading ``o``'s storage: its producer's key and output slot."""
+    return ("off", p.key(o.producer), o.index)
 
-    def __init__(self, paths: list[RematPath], per: list[list[Candidate]]) -> None:
+
+class _Model:
+    """The CP-SAT model over all paths: one drop literal per op key and one offload literal per
+    storage key, memory rows per path grouped by the decisions in play at each position, and
+    the copy channel's capacity."""
+
+    def __init__(self, paths: list[RematPath], per: list[list[Candidate]], offs: list[list[OffloadCandidate]] | None = None) -> None:
         from ortools.sat.python import cp_model
 
         self.cp = cp_model
         self.model = cp_model.CpModel()
+        offs = offs or [[] for _ in paths]
         self.drop: dict[Hashable, Any] = {}
+        self.off: dict[Hashable, Any] = {}
         self.cost: dict[Hashable, int] = {}
-        for p, cands in zip(paths, per):
+        for p, cands, os in zip(paths, per, offs):
             for c in cands:
                 k = p.key(c.op)
                 if k not in self.drop:
                     self.drop[k] = self.model.NewBoolVar(f"drop{len(self.drop)}")
                 self.cost[k] = max(self.cost.get(k, 0), _cost(c))
+            for o in os:
+                k = offload_key(p, o)
+                if k not in self.off:
+                    self.off[k] = self.model.NewBoolVar(f"off{len(self.off)}")
+                self.cost[k] = OFFLOAD_COST
         self._live: dict[tuple, Any] = {}
         self._reach: dict[tuple, Any] = {}  # (path, x, e) -> R: e's recomputation remakes x
         self._by: dict[tuple, Any] = {}  # (path, x, p) -> x is remade by position p (if dropped)
         self.cascades: list[_Cascade] = []
         self.rows: list[tuple[int, list[tuple[int, Any]]]] = []
-        for i, (p, cands) in enumerate(zip(paths, per)):
-            self._add_path(i, p, cands)
+        self._channel: set = set()
+        self._offs: list[dict[int, OffloadCandidate]] = []  # per path: sid -> candidate
+        for i, (p, cands, os) in enumerate(zip(paths, per, offs)):
+            self._add_path(i, p, cands, os)
 
-    def _add_path(self, i: int, p: RematPath, cands: list[Candidate]) -> None:
+    @property
+    def decisions(self) -> dict[Hashable, Any]:
+        return {**self.drop, **self.off}
+
+    def _add_path(self, i: int, p: RematPath, cands: list[Candidate], offs: list[OffloadCandidate]) -> None:
         g, order = p.g, p.order
         n = len(order)
         fixed = [g.ops[order[t]].workspace for t in range(n)]
@@ -400,7 +476,22 @@ class _Model:
         terms: list[dict[int, frozenset]] = [dict() for _ in range(n)]
         cascade = _Cascade(cands)
         self.cascades.append(cascade)
-        for sid, a, b, ts in _residency(g, order, cands, cascade):
+        self._offs.append({o.sid: o for o in offs})
+        for o in offs:  # a parked storage is needed by nobody: not made again, not read
+            off = self.off[offload_key(p, o)]
+            if p.key(o.producer) in self.drop:
+                self.model.AddBoolOr([off.Not(), self.drop[p.key(o.producer)].Not()])
+            for c in cands:
+                if o.sid not in c.inputs:
+                    continue
+                drop = self.drop[p.key(c.op)]
+                if c.recompute_at in o.off:
+                    self.model.AddBoolOr([off.Not(), drop.Not()])
+                    continue
+                for pe, e in cascade.points.get(c.op, ()):
+                    if pe in o.off:  # c is made again there for a chain of dropped readers
+                        self.model.Add(off + drop + self._reaches(i, p, c.op, e) <= 2)
+        for sid, a, b, ts in _with_offloads(_residency(g, order, cands, cascade), offs):
             if ts is None:
                 delta[a] += g.storages[sid].nbytes
                 delta[b] -= g.storages[sid].nbytes
@@ -413,32 +504,53 @@ class _Model:
             fixed[t] += run
         groups: dict[tuple, int] = {}
         for t in range(n):
-            key = tuple(sorted((sid, tuple(sorted(ts))) for sid, ts in terms[t].items()))
+            key = tuple(sorted((sid, tuple(sorted(ts, key=repr))) for sid, ts in terms[t].items()))
             groups[key] = max(groups.get(key, 0), fixed[t])
         persistent = g.persistent_bytes
         for key, base in groups.items():
             lits = [(g.storages[sid].nbytes, self._resident(i, p, sid, ts)) for sid, ts in key]
             self.rows.append((persistent + base, lits))
+        by_sid = {o.sid: o for o in offs}
+        for shares in channel_shares(g, order, offs):
+            if len(shares) > 1 and sum(shares.values()) > 1:
+                row = tuple(sorted((offload_key(p, by_sid[sid]), round(x * 1000)) for sid, x in shares.items()))
+                if row not in self._channel:
+                    self._channel.add(row)
+                    self.model.Add(sum(w * self.off[k] for k, w in row) <= 1000)
 
     def _resident(self, i: int, p: RematPath, sid: int, ts: tuple) -> Any:
         """A literal that is true when one of the terms holds (the solver keeps it false
         otherwise, as it only ever tightens the memory rows)."""
-        drop = self.drop
-        if len(ts) == 1 and ts[0][0] in ("keep", "drop"):
-            kind, op = ts[0]
-            return drop[p.key(op)].Not() if kind == "keep" else drop[p.key(op)]
+        if len(ts) == 1:
+            return self._lit(i, p, ts[0])
         cache = (i, sid, ts)
         if cache not in self._live:
             var = self.model.NewBoolVar(f"live{sid}")
             for term in ts:
-                if term[0] == "keep":
-                    self.model.AddImplication(drop[p.key(term[1])].Not(), var)
-                elif term[0] == "drop":
-                    self.model.AddImplication(drop[p.key(term[1])], var)
-                elif term[0] == "drop-keep":
-                    self.model.Add(var >= drop[p.key(term[1])] - drop[p.key(term[2])])
-                else:  # reach
-                    self.model.Add(var >= drop[p.key(term[1])] + self._remade_by(i, p, term[1], term[2]) - 1)
+                self.model.AddImplication(self._lit(i, p, term), var)
+            self._live[cache] = var
+        return self._live[cache]
+
+    def _lit(self, i: int, p: RematPath, term: Term) -> Any:
+        """A literal at least as true as ``term`` (the rows only ever want it false)."""
+        kind = term[0]
+        if kind == "keep":
+            return self.drop[p.key(term[1])].Not()
+        if kind == "drop":
+            return self.drop[p.key(term[1])]
+        cache = (i, term)
+        if cache not in self._live:
+            var = self.model.NewBoolVar(kind)
+            if kind == "drop-keep":
+                self.model.Add(var >= self.drop[p.key(term[1])] - self.drop[p.key(term[2])])
+            elif kind == "reach":
+                self.model.Add(var >= self.drop[p.key(term[1])] + self._remade_by(i, p, term[1], term[2]) - 1)
+            else:  # on
+                off = self.off[offload_key(p, self._offs[i][term[1]])]
+                if term[2] is None:
+                    self.model.AddImplication(off.Not(), var)
+                else:
+                    self.model.Add(var >= self._lit(i, p, term[2]) - off)
             self._live[cache] = var
         return self._live[cache]
 
@@ -481,8 +593,9 @@ class _Model:
         return True
 
     def solve(self, time_limit: float, hint: set | None, workers: int = 8):
+        decisions = self.decisions
         if hint is not None:
-            for k, var in self.drop.items():
+            for k, var in decisions.items():
                 self.model.AddHint(var, k in hint)
         solver = self.cp.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.1, time_limit)
@@ -490,28 +603,63 @@ class _Model:
         status = solver.Solve(self.model)
         chosen = None
         if status in (self.cp.OPTIMAL, self.cp.FEASIBLE):
-            chosen = {k for k, var in self.drop.items() if solver.Value(var)}
+            chosen = {k for k, var in decisions.items() if solver.Value(var)}
         return solver, status, chosen
 
 
-def _replays(paths: list[RematPath], per: list[list[Candidate]], chosen: set) -> list[RematReplay]:
-    return [
-        remat_replay(p.g, p.order, [c for c in cands if p.key(c.op) in chosen])
-        for p, cands in zip(paths, per)
-    ]
+def _chosen(p: RematPath, cands: list[Candidate], offs: list[OffloadCandidate], chosen: set):
+    dropped = sorted((c for c in cands if p.key(c.op) in chosen), key=lambda c: (c.recompute_at, c.op))
+    return dropped, [o for o in offs if offload_key(p, o) in chosen]
+
+
+def _replays(paths: list[RematPath], per, offs, chosen: set) -> list[RematReplay]:
+    return [remat_replay(p.g, p.order, *_chosen(p, cands, os, chosen)) for p, cands, os in zip(paths, per, offs)]
+
+
+def _allowed_offloads(paths: list[RematPath], bandwidth: Bandwidth | None, banned: set) -> list[list[OffloadCandidate]]:
+    """Per path, the storages that may be offloaded: a candidate on every path that runs its
+    producer, moved after the same ops (by key) on each, and not banned. None without a
+    bandwidth (no offloading)."""
+    if bandwidth is None:
+        return [[] for _ in paths]
+    per = [offload_candidates(p.g, p.order, bandwidth) for p in paths]
+    runs: dict[Hashable, int] = {}
+    able: dict[Hashable, int] = {}
+    windows: dict[Hashable, set] = {}
+    for p, os in zip(paths, per):
+        for k in {p.key(op) for op in p.order}:
+            runs[k] = runs.get(k, 0) + 1
+        for o in os:
+            key = offload_key(p, o)
+            able[key] = able.get(key, 0) + 1
+            windows.setdefault(key, set()).add(offload_window(p, o))
+
+    def allowed(p: RematPath, o: OffloadCandidate) -> bool:
+        key = offload_key(p, o)
+        return key not in banned and able[key] == runs[p.key(o.producer)] and len(windows[key]) == 1
+
+    return [[o for o in os if allowed(p, o)] for p, os in zip(paths, per)]
+
+
+def offload_window(p: RematPath, o: OffloadCandidate) -> tuple:
+    """Where an offload takes effect, by op key: the ops after which its copy out starts, its
+    device copy is released and its copy back starts; and its size."""
+    return tuple(p.key(p.order[t]) for t in (o.start, o.released, o.prefetch - 1)), o.nbytes
 
 
 def min_feasible_budget_paths(
-    paths: list[RematPath], time_limit: float = 20.0, banned: set = frozenset()
+    paths: list[RematPath], time_limit: float = 20.0, banned: set = frozenset(), bandwidth: Bandwidth | None = None
 ) -> tuple[int, set]:
-    """The lowest peak (over all paths) reachable by dropping candidates, and the keys that
-    reach it: proven lowest unless the solver ran out of time (then an achievable bound)."""
+    """The lowest peak (over all paths) reachable by dropping candidates (and offloading, given
+    the copy ``bandwidth``), and the keys that reach it: proven lowest unless the solver ran
+    out of time (then an achievable bound)."""
     per = _allowed_candidates(paths, set(banned))
+    offs = _allowed_offloads(paths, bandwidth, set(banned))
     everything = {p.key(c.op) for p, cs in zip(paths, per) for c in cs}
     options = [set(), everything]
-    if everything:
-        model = _Model(paths, per)
-        top = sum(max(r.peak for r in _replays(paths, per, o)) for o in options)
+    if everything or any(offs):
+        model = _Model(paths, per, offs)
+        top = sum(max(r.peak for r in _replays(paths, per, offs, o)) for o in options)
         peak = model.model.NewIntVar(0, top, "peak")
         for base, lits in model.rows:
             model.model.Add(base + sum(size * lit for size, lit in lits) <= peak)
@@ -519,46 +667,55 @@ def min_feasible_budget_paths(
         _solver, _status, chosen = model.solve(time_limit, None)
         if chosen is not None:
             options.append(chosen)
-    best = min(options, key=lambda o: (max(r.peak for r in _replays(paths, per, o)), len(o)))
-    return max(r.peak for r in _replays(paths, per, best)), best
+    best = min(options, key=lambda o: (max(r.peak for r in _replays(paths, per, offs, o)), len(o)))
+    return max(r.peak for r in _replays(paths, per, offs, best)), best
 
 
 def min_feasible_budget(
-    g: PlanningGraph, order: list[int] | None = None, time_limit: float = 20.0
+    g: PlanningGraph, order: list[int] | None = None, time_limit: float = 20.0, bandwidth: Bandwidth | None = None
 ) -> tuple[int, list[Candidate]]:
     """:func:`min_feasible_budget_paths` for one graph: the peak and the candidates dropped."""
     path = RematPath(g, list(range(len(g))) if order is None else order)
-    peak, chosen = min_feasible_budget_paths([path], time_limit)
+    peak, chosen = min_feasible_budget_paths([path], time_limit, bandwidth=bandwidth)
     return peak, [c for c in candidates(g, path.order) if c.op in chosen]
 
 
 def plan_remat_paths(
-    paths: list[RematPath], budget: int, time_limit: float = 30.0, banned: set = frozenset()
+    paths: list[RematPath],
+    budget: int,
+    time_limit: float = 30.0,
+    banned: set = frozenset(),
+    bandwidth: Bandwidth | None = None,
 ) -> list[RematPlan]:
     """Meet ``budget`` (bytes at the peak, persistent state included) on every path at the
-    least added recompute time (each key's cost counted once); one plan per path. Raises
-    :class:`BudgetTooSmall` naming the smallest feasible budget."""
+    least added recompute time (each key's cost counted once), offloading too when given the
+    copy ``bandwidth``; one plan per path. Raises :class:`BudgetTooSmall` naming the smallest
+    feasible budget."""
     t0 = time.perf_counter()
     bases = [remat_replay(p.g, p.order, []) for p in paths]
     if all(b.peak <= budget for b in bases):
         spent = time.perf_counter() - t0
-        return [RematPlan(p.order, [], b.peak, b.peak, budget, 0.0, "none", spent, 0.0) for p, b in zip(paths, bases)]
+        return [
+            RematPlan(p.order, [], b.peak, b.peak, budget, 0.0, "none", spent, 0.0, [], *predict(p.g, p.order, [], []))
+            for p, b in zip(paths, bases)
+        ]
     per = _allowed_candidates(paths, set(banned))
+    offs = _allowed_offloads(paths, bandwidth, set(banned))
 
     def too_small(detail: str = "") -> BudgetTooSmall:
-        smallest, _ = min_feasible_budget_paths(paths, max(1.0, time_limit / 2), banned)
+        smallest, _ = min_feasible_budget_paths(paths, max(1.0, time_limit / 2), banned, bandwidth)
         return BudgetTooSmall(budget, smallest, detail)
 
     warm: set | None = set()
     for p, cands in zip(paths, per):
         found = _greedy(p.g, p.order, cands, budget)
         warm = None if found is None or warm is None else warm | {p.key(c.op) for c in found}
-    if warm is not None and any(r.peak > budget for r in _replays(paths, per, warm)):
+    if warm is not None and any(r.peak > budget for r in _replays(paths, per, offs, warm)):
         warm = None
-    model = _Model(paths, per)
-    if not model.drop or not model.fit(budget):
+    model = _Model(paths, per, offs)
+    if not model.decisions or not model.fit(budget):
         raise too_small()
-    model.model.Minimize(sum(model.cost[k] * var for k, var in model.drop.items()))
+    model.model.Minimize(sum(model.cost[k] * var for k, var in model.decisions.items()))
     solver, status, found = model.solve(time_limit - (time.perf_counter() - t0), warm)
     method, gap, chosen = "greedy", None, warm
     if found is not None:
@@ -574,33 +731,60 @@ def plan_remat_paths(
         raise too_small("the solver found no plan within its time limit")
     plans = []
     spent = time.perf_counter() - t0
-    for p, cands, base in zip(paths, per, bases):
-        dropped = sorted((c for c in cands if p.key(c.op) in chosen), key=lambda c: (c.recompute_at, c.op))
-        rep = remat_replay(p.g, p.order, dropped)
+    for p, cands, os, base in zip(paths, per, offs, bases):
+        dropped, offloaded = _chosen(p, cands, os, chosen)
+        rep = remat_replay(p.g, p.order, dropped, offloaded)
         assert rep.peak <= budget, "a remat plan over its budget (planner bug)"
-        plans.append(RematPlan(p.order, dropped, rep.peak, base.peak, budget, rep.extra_seconds, method, spent, gap))
+        plans.append(
+            RematPlan(
+                p.order, dropped, rep.peak, base.peak, budget, rep.extra_seconds, method, spent, gap,
+                offloaded, *predict(p.g, p.order, dropped, offloaded),
+            )
+        )  # fmt: skip
     return plans
 
 
 def plan_remat(
-    g: PlanningGraph, budget: int, order: list[int] | None = None, time_limit: float = 30.0
+    g: PlanningGraph,
+    budget: int,
+    order: list[int] | None = None,
+    time_limit: float = 30.0,
+    bandwidth: Bandwidth | None = None,
 ) -> RematPlan:
     """:func:`plan_remat_paths` for one graph."""
     path = RematPath(g, list(range(len(g))) if order is None else order)
-    return plan_remat_paths([path], budget, time_limit)[0]
+    return plan_remat_paths([path], budget, time_limit, bandwidth=bandwidth)[0]
 
 
-def exhaustive_remat(g: PlanningGraph, budget: int, order: list[int] | None = None):
-    """Every subset of the candidates (tests only: exponential). Returns (added seconds in
-    cost units, peak, dropped ops) of the cheapest plan within ``budget``, or None."""
+def exhaustive_remat(g: PlanningGraph, budget: int, order: list[int] | None = None, bandwidth: Bandwidth | None = None):
+    """Every subset of the candidates and offloads (tests only: exponential). Returns (cost in
+    the objective's units, peak, dropped ops, offloaded storages) of the cheapest plan within
+    ``budget``, or None."""
     order = list(range(len(g))) if order is None else order
     cands = candidates(g, order)
+    offs = offload_candidates(g, order, bandwidth) if bandwidth is not None else []
+    items = [*cands, *offs]
     best = None
-    for k in range(len(cands) + 1):
-        for subset in itertools.combinations(cands, k):
-            rep = remat_replay(g, order, list(subset))
+    for k in range(len(items) + 1):
+        for subset in itertools.combinations(items, k):
+            dropped = [c for c in subset if isinstance(c, Candidate)]
+            offloaded = [o for o in subset if isinstance(o, OffloadCandidate)]
+            if not _channel_ok(g, order, offloaded):
+                continue
+            try:
+                rep = remat_replay(g, order, dropped, offloaded)
+            except ValueError:
+                continue
             if rep.peak <= budget:
-                cost = sum(map(_cost, subset))
+                cost = sum(map(_cost, dropped)) + OFFLOAD_COST * len(offloaded)
                 if best is None or cost < best[0]:
-                    best = (cost, rep.peak, sorted(c.op for c in subset))
+                    best = (cost, rep.peak, sorted(c.op for c in dropped), sorted(o.sid for o in offloaded))
     return best
+
+
+def _channel_ok(g: PlanningGraph, order: list[int], offloaded: list[OffloadCandidate]) -> bool:
+    """The model's channel rows: at every position the copies in flight need at most all of it."""
+    return all(
+        len(sh) < 2 or sum(sh.values()) <= 1 or sum(round(x * 1000) for x in sh.values()) <= 1000
+        for sh in channel_shares(g, order, offloaded)
+    )

@@ -39,11 +39,11 @@ def step(s, i):
     return loss
 
 
-def run_within(make, step, steps, budget, key):
+def run_within(make, step, steps, budget, key, offload=None):
     """Run under ``budget``; the measured peaks of the co-executed steps on planned paths
     (a step on a path no plan had seen may go over: it warns, and is counted in the stats)."""
     state = make()
-    tape = coexec.GradientTape(memory_budget=budget, key=key)
+    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload)
     losses, peaks = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -59,12 +59,12 @@ def run_within(make, step, steps, budget, key):
     return losses, [t.detach().clone() for t in tensors_of(state)], tape, peaks
 
 
-def smallest_budget(make, step, steps, key):
+def smallest_budget(make, step, steps, key, offload=None):
     """The smallest feasible budget, as the error names it (raising it path by path)."""
     budget = 1
     for attempt in range(10):
         try:
-            run_within(make, step, steps, budget, (key, attempt))
+            run_within(make, step, steps, budget, (key, attempt), offload)
             return budget
         except BudgetTooSmall as e:
             assert e.smallest > budget
@@ -115,3 +115,23 @@ def test_a_generous_budget_recomputes_nothing():
     losses, _, tape, peaks = run_within(make, step, 5, "1GB", "budget-generous")
     assert tape.stats.recomputed_ops == 0 and max(peaks) <= 10**9
     assert losses == run(make, step, 5, False)[0]
+
+
+def test_offloading_lowers_the_smallest_budget_and_parks_activations_bit_equal():
+    eager_losses, eager_state, _ = run(make, step, 6, False)
+    remat_only = smallest_budget(make, step, 6, "budget-remat-only", offload=False)
+    budget = smallest_budget(make, step, 6, "budget-offload", offload=True)
+    assert budget < remat_only
+    losses, state, tape, peaks = run_within(make, step, 6, budget, "budget-offload-run", offload=True)
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    assert len(peaks) >= 2 and max(peaks) <= budget
+    assert tape.stats.offloaded_storages > 0
+    plan = tape._program.budget_plan
+    assert plan.host_bytes > 0 and plan.offload_keys
+    assert tape.stats.planned_step_seconds > 0 and tape.stats.step_seconds > 0
+
+
+def test_offload_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match="offload must be True, False or None"):
+        coexec.GradientTape(memory_budget="1GB", offload="yes")
