@@ -1,13 +1,14 @@
 """Time against peak memory under memory budgets, side by side in one run.
 
-    python bench/budget_pareto.py [--models gpt2-6l,mlp] [--batch 16] [--steps 5] [--device cpu]
+    python bench/budget_pareto.py [--models gpt2-6l,resnet50] [--batch 16] [--steps 5] [--device cpu]
 
 Per zoo model, one SGD training step measured as
 
 * ``eager``: PyTorch as is;
 * ``checkpoint k``: ``torch.utils.checkpoint.checkpoint_sequential`` over the model's chain of
   modules cut into ``k`` segments, for every ``k`` (non-reentrant);
-* ``coexec``: co-executed without a budget, then with ``memory_budget`` set so that the
+* ``coexec``: co-executed without a budget (with and without the arena: a budget turns the
+  arena off, so "vs no budget" is relative to the run without it), then with ``memory_budget`` set so that the
   activation memory (bytes made in the forward pass and still held when the backward starts,
   from the step's planning graph) is 75%, 50%, 25% of the unbudgeted one, and at the smallest
   feasible budget (the figure ``BudgetTooSmall`` names); recomputation only
@@ -23,7 +24,9 @@ the executor's count of its live storages plus the persistent state (``TapeStats
 next to the plan's prediction. On CUDA: ``torch.cuda.max_memory_allocated`` for every method
 (coexec's own count beside it). Step times are medians over ``--steps`` steps after warm-up
 (synchronised on CUDA); "predicted ms" is the plan's step time (op times, recomputation and
-waits for copies, ``planner.offload.predict_seconds``) next to coexec's measured one.
+waits for copies, ``planner.offload.predict_seconds``) next to coexec's measured one and to the
+time the executor was busy per step (mean; it runs the planned work, the skeleton's Python
+overhead is not in the plan). "plan s": the time to plan the budget (all paths, every round).
 
 Writes ``budget_pareto_<device>.md`` (the table) and ``.png`` (time against peak).
 """
@@ -137,9 +140,11 @@ def activation_bytes(trace) -> int:
     )
 
 
-def coexec_run(name: str, batch: int, steps: int, budget, key, device: str, offload: bool = False) -> dict:
+def coexec_run(
+    name: str, batch: int, steps: int, budget, key, device: str, offload: bool = False, arena: bool = True
+) -> dict:
     z = build(name, batch, device)
-    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload)
+    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload, arena=arena)
 
     def step():
         with tape:
@@ -147,18 +152,22 @@ def coexec_run(name: str, batch: int, steps: int, budget, key, device: str, offl
 
     for _ in range(4):  # trace, trace (momentum appears), covered, first co-executed
         step()
+    busy0 = tape.stats.executor_seconds
     seconds = median_seconds(step, steps)
+    busy = (tape.stats.executor_seconds - busy0) / steps
     cuda_peak = peak_of(step, device) if device == "cuda" else None
     s = tape.stats
     plan = tape._program.budget_plan
     return {
         "seconds": seconds,
+        "busy": busy,
         "peak": cuda_peak if cuda_peak is not None else s.peak_bytes,
         "own count": s.peak_bytes,
         "planned": s.planned_peak_bytes,
         "recomputed": s.recomputed_ops,
         "offloaded": s.offloaded_storages,
         "predicted": plan.predicted_seconds if plan else None,
+        "plan s": plan.seconds if plan else None,
         "trace": tape._program.paths[-1],
     }
 
@@ -227,20 +236,25 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
                      "peak MB": peak_of(offloaded_step, device) / MB,
                      "step ms": 1e3 * median_seconds(offloaded_step, steps)})  # fmt: skip
         rows.extend(compiled_rows(name, batch, steps, device))
-    free = coexec_run(name, batch, steps, None, ("pareto", name, "free"), device)
+    # under a budget the executor runs without the arena: budgets are compared with that
+    free = coexec_run(name, batch, steps, None, ("pareto", name, "free"), device, arena=False)
+    arena = coexec_run(name, batch, steps, None, ("pareto", name, "arena"), device)
     act = activation_bytes(free["trace"])
-    rows.append({"model": name, "method": "coexec", "setting": "no budget", "peak MB": free["peak"] / MB,
-                 "own MB": free["own count"] / MB, "step ms": 1e3 * free["seconds"]})  # fmt: skip
+    for setting, r in (("no budget", free), ("no budget, arena", arena)):
+        rows.append({"model": name, "method": "coexec", "setting": setting, "peak MB": r["peak"] / MB,
+                     "own MB": r["own count"] / MB, "step ms": 1e3 * r["seconds"]})  # fmt: skip
     for offload in (False, True):
         method = "coexec+offload" if offload else "coexec"
         low = smallest_budget(name, batch, device, offload)
         budgets = [(f"act {int(f * 100)}%", int(free["own count"] - (1 - f) * act)) for f in (0.75, 0.5, 0.25)]
         budgets = [(label, b) for label, b in budgets if b >= low] + [("smallest feasible", low)]
         for label, b in budgets:
+            print(f"  {method} at {label} ({b / MB:.2f} MB)", file=sys.stderr, flush=True)
             r = coexec_run(name, batch, steps, b, ("pareto", name, label, offload), device, offload)
             rows.append({"model": name, "method": method, "setting": f"{label}: {b / MB:.2f} MB",
                          "peak MB": r["peak"] / MB, "own MB": r["own count"] / MB, "planned MB": r["planned"] / MB,
                          "step ms": 1e3 * r["seconds"], "predicted ms": 1e3 * r["predicted"],
+                         "executor ms": 1e3 * r["busy"], "plan s": r["plan s"],
                          "vs no budget": r["seconds"] / free["seconds"], "recomputed ops": r["recomputed"],
                          "offloaded": r["offloaded"], "within": r["own count"] <= b})  # fmt: skip
     for r in rows:
@@ -251,7 +265,7 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
 
 
 COLUMNS = ["model", "method", "setting", "peak MB", "own MB", "planned MB", "peak vs eager", "step ms",
-           "predicted ms", "time vs eager", "vs no budget", "recomputed ops", "offloaded", "within"]  # fmt: skip
+           "predicted ms", "executor ms", "time vs eager", "vs no budget", "recomputed ops", "offloaded", "within", "plan s"]  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -268,7 +282,12 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, model in zip(axes[0], models):
         for method, style in (("eager", "ks"), ("checkpoint_sequential", "o--"), ("coexec", "^-"),
                               ("coexec+offload", "v-"), ("torch.compile", "D:"), ("save_on_cpu", "P")):  # fmt: skip
-            sel = [r for r in rows if r["model"] == model and r["method"] == method and "peak MB" in r]
+            sel = sorted(
+                (r for r in rows if r["model"] == model and r["method"] == method and "peak MB" in r),
+                key=lambda r: r["peak MB"],
+            )
+            if not sel:
+                continue
             ax.plot([r["peak MB"] for r in sel], [r["time vs eager"] for r in sel], style, label=method)
         ax.set_xlabel("peak resident MB (persistent state included)")
         ax.set_ylabel("step time / eager")
@@ -280,7 +299,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="gpt2-6l,mlp,resnet18")
+    ap.add_argument("--models", default="gpt2-6l,resnet50,resnet18,mlp")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -16,6 +16,7 @@ take effect after the same ops on every path. A budget below what any plan reach
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -80,6 +81,7 @@ class BudgetPlan:
     # op key -> (Offload | Wait | Prefetch, storage key, host pool offset) to send after it
     moves_after: dict = field(default_factory=dict)
     host_bytes: int = 0  # the host pool: every offloaded storage has its own slice
+    seconds: float = 0.0  # planning time, every path and every round of bans included
 
     @property
     def predicted_seconds(self) -> float:
@@ -113,6 +115,7 @@ def plan_program_budget(
     the copy ``bandwidth``); raises :class:`BudgetTooSmall` if no plan meets it. Where paths
     would free a dropped storage, or move an offloaded one, after different ops, that decision
     is banned and the paths are planned again."""
+    t0 = time.perf_counter()
     paths, storage_keys = [], []
     for trace in traces:
         g = _lagged(PlanningGraph.from_trace(trace), SWEEP_LAG)
@@ -126,7 +129,7 @@ def plan_program_budget(
     except BudgetTooSmall as e:
         smallest = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, banned, bandwidth)
         raise BudgetTooSmall(budget, smallest, e.detail) from None
-    out = BudgetPlan(budget)
+    out = BudgetPlan(budget, seconds=time.perf_counter() - t0)
     out.signatures = {tuple(p.keys) for p in paths}
     for path, plan in zip(paths, plans):
         out.paths.append(PathBudget(plan, path.g.persistent_bytes))

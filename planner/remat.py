@@ -101,7 +101,9 @@ class RematPlan:
     base_peak: int  # the same order without recomputation
     budget: int | None
     extra_seconds: float
-    method: str  # "none", "greedy", "cp-sat" (proven optimal), "cp-sat-timeout"
+    # "none", "greedy", "cp-sat" (proven optimal), "cp-sat-timeout", "lowest-peak" (the
+    # solver found nothing in time; the plan of the lowest peak, which fits)
+    method: str
     seconds: float
     gap: float | None = None  # CP-SAT's relative gap on the added time (0: optimal)
     offloaded: list[OffloadCandidate] = field(default_factory=list)  # storages parked on the host
@@ -728,7 +730,12 @@ def plan_remat_paths(
     elif status == model.cp.INFEASIBLE:
         raise too_small()
     if chosen is None:
-        raise too_small("the solver found no plan within its time limit")
+        # no plan found in time: the plan of the lowest peak serves if it fits (near the
+        # smallest feasible budget it is the only kind there is)
+        smallest, lowest = min_feasible_budget_paths(paths, max(1.0, time_limit / 2), banned, bandwidth)
+        if smallest > budget:
+            raise BudgetTooSmall(budget, smallest)
+        method, chosen = "lowest-peak", lowest
     plans = []
     spent = time.perf_counter() - t0
     for p, cands, os, base in zip(paths, per, offs, bases):

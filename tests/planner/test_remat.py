@@ -139,3 +139,32 @@ def test_smallest_feasible_budget_is_exact_and_named(seed):
     with pytest.raises(BudgetTooSmall, match=f"smallest feasible budget for this step is .*{smallest} bytes") as err:
         plan_remat(g, smallest - 1, order)
     assert err.value.smallest == smallest
+
+
+
+def test_a_solver_that_finds_nothing_in_time_falls_back_to_the_lowest_peak_plan(monkeypatch):
+    """Near the smallest feasible budget the greedy may fail and CP-SAT may time out before a
+    first solution: the plan of the lowest peak is used if it fits, and an error names it only
+    if it does not (never an error naming a "smallest" budget at or below the one asked)."""
+    from ortools.sat.python import cp_model
+
+    import planner.remat as remat
+
+    g = training_graph(random.Random(3), depth=6)
+    order = list(range(len(g)))
+    smallest, _ = min_feasible_budget(g, order)
+    assert smallest < replay(g, order).peak
+    real_solve = remat._Model.solve
+
+    def nothing_in_time(self, time_limit, hint, workers=8):
+        if "peak" in {v.name for v in self.model.Proto().variables}:  # min_feasible_budget's model
+            return real_solve(self, time_limit, hint, workers)
+        return None, cp_model.UNKNOWN, None
+
+    monkeypatch.setattr(remat, "_greedy", lambda *args: None)
+    monkeypatch.setattr(remat._Model, "solve", nothing_in_time)
+    plan = plan_remat(g, smallest, order)
+    assert plan.method == "lowest-peak" and plan.peak <= smallest
+    assert remat_replay(g, order, plan.dropped).peak == plan.peak
+    with pytest.raises(BudgetTooSmall, match=f"\\({smallest} bytes\\)"):
+        plan_remat(g, smallest - 1, order)
