@@ -410,15 +410,22 @@ class RematPath:
         return op if self.keys is None else self.keys[op]
 
 
+def _runs(paths: list[RematPath]) -> dict[Hashable, int]:
+    """Per op key, how many paths run it (a decision about it must hold on all of them)."""
+    runs: dict[Hashable, int] = {}
+    for p in paths:
+        for k in {p.key(op) for op in p.order}:
+            runs[k] = runs.get(k, 0) + 1
+    return runs
+
+
 def _allowed_candidates(paths: list[RematPath], banned: set) -> list[list[Candidate]]:
     """Per path, its candidates whose key may be dropped: a candidate on every path that runs
     the op, and not banned."""
     per = [candidates(p.g, p.order) for p in paths]
-    runs: dict[Hashable, int] = {}
+    runs = _runs(paths)
     droppable: dict[Hashable, int] = {}
     for p, cs in zip(paths, per):
-        for k in {p.key(op) for op in p.order}:
-            runs[k] = runs.get(k, 0) + 1
         for c in cs:
             droppable[p.key(c.op)] = droppable.get(p.key(c.op), 0) + 1
     allowed = {k for k, n in droppable.items() if n == runs[k] and k not in banned}
@@ -625,12 +632,10 @@ def _allowed_offloads(paths: list[RematPath], bandwidth: Bandwidth | None, banne
     if bandwidth is None:
         return [[] for _ in paths]
     per = [offload_candidates(p.g, p.order, bandwidth) for p in paths]
-    runs: dict[Hashable, int] = {}
+    runs = _runs(paths)
     able: dict[Hashable, int] = {}
     windows: dict[Hashable, set] = {}
     for p, os in zip(paths, per):
-        for k in {p.key(op) for op in p.order}:
-            runs[k] = runs.get(k, 0) + 1
         for o in os:
             key = offload_key(p, o)
             able[key] = able.get(key, 0) + 1
