@@ -5,6 +5,8 @@ plan is not followed (a read before the prefetch, a write during the copy out)."
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor import Executor, Free, FreeRange, HostPool, Offload, Prefetch, Restore, Wait, measure_bandwidth
 from tests.executor.test_recompute import V, run
@@ -102,3 +104,73 @@ def test_bandwidth_is_measured_once_and_positive():
     bw = measure_bandwidth("cpu", nbytes=1 << 20)
     assert bw.to_host > 0 and bw.to_device > 0 and bw.latency >= 0
     assert measure_bandwidth("cpu") is bw
+
+
+EVENTS = ("offload", "wait", "prefetch", "read", "write", "free")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(EVENTS), st.integers(0, 3)), max_size=40))
+def test_any_interleaving_of_moves_reads_writes_and_frees_keeps_values_and_counts_bytes(events):
+    """Four values, each on its own storage, and a random stream of events on them: the moves
+    in plan order (offload, then wait, then prefetch), and reads, in-place writes and frees at
+    any point, also while a value is parked or its copy is in flight. Every read sees the value
+    eager would have, and afterwards the device holds exactly the values not parked."""
+    n = 64 * 64 * 4
+    ex = Executor("test-offload-property")
+    try:
+        ex.submit(HostPool(4 * n))
+        vid = {k: k + 1 for k in range(4)}  # current value id of each slot (writes rename)
+        state = {}  # slot -> "device" | "out" (copy in flight) | "parked" | "freed"
+        expected = {}
+        for k in range(4):
+            expected[k] = torch.full((64, 64), float(k))
+            ex.submit(run(aten.full.default, [64, 64], float(k), outs=[vid[k]]))
+            state[k] = "device"
+        fresh = 100
+        stale: dict[int, int] = {}  # slot -> its id before a write during the copy out
+        for event, k in events:
+            v, s = vid[k], state[k]
+            if s == "freed":
+                continue
+            if event == "offload" and s == "device":
+                ex.submit(Offload((v,), k * n))
+                state[k] = "out"
+            elif event == "wait" and s == "out":
+                ex.submit(Wait((v,)))
+                state[k] = "parked"
+            elif event == "wait" and k in stale:  # the plan's wait, after a write renamed it
+                ex.submit(Wait((stale.pop(k),)))
+            elif event == "prefetch" and s == "parked":
+                ex.submit(Prefetch((v,)))
+                state[k] = "device"
+            elif event == "read":
+                fresh += 1
+                ex.submit(run(aten.neg.default, V(v), outs=[fresh]))
+                ex.drain(10)
+                assert torch.equal(ex.values[fresh], -expected[k]), (event, k, s)
+                ex.submit(Free((fresh,)))
+                state[k] = "out" if s == "out" else "device"  # a parked value read comes back
+            elif event == "write":
+                if s == "out":
+                    stale[k] = v
+                fresh += 1
+                ex.submit(Run_move(aten.add_.Tensor, v, fresh, 1.0))
+                expected[k] = expected[k] + 1
+                vid[k], state[k] = fresh, "device"  # a write cancels a copy in flight
+            elif event == "free":
+                ex.submit(Free((v,)))
+                state[k] = "freed"
+        ex.drain(10)
+        for k in range(4):
+            if state[k] != "freed" and state[k] != "parked":
+                assert torch.equal(ex.values[vid[k]], expected[k])
+        assert ex.memory.live == n * sum(s in ("device", "out") for s in state.values())
+        for k in range(4):  # parked values come back on demand, equal
+            if state[k] == "parked":
+                fresh += 1
+                ex.submit(run(aten.clone.default, V(vid[k]), outs=[fresh]))
+                ex.drain(10)
+                assert torch.equal(ex.values[fresh], expected[k])
+    finally:
+        ex.close()
