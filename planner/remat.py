@@ -565,31 +565,47 @@ class _Model:
 
     def _remade_by(self, i: int, p: RematPath, x: int, at: int) -> Any:
         """A literal: a chain of dropped readers remakes ``x`` by position ``at`` (prefix ORs
-        over the recompute points, so each position costs two constraints)."""
+        over the recompute points, so each position costs two constraints). Built forwards,
+        without recursion: chains may be thousands of ops long."""
         key = (i, p.key(x), at)
         if key not in self._by:
-            points = [pe for pe in self.cascades[i].points[x] if pe[0] <= at]
-            var = self.model.NewBoolVar("by")
-            earlier = [pe for pe in points if pe[0] < at]
-            if earlier:
-                self.model.AddImplication(self._remade_by(i, p, x, earlier[-1][0]), var)
-            for pe, e in points:
-                if pe == at:
-                    self.model.AddImplication(self._reaches(i, p, x, e), var)
-            self._by[key] = var
+            points = sorted(pe for pe in self.cascades[i].points[x] if pe[0] <= at)
+            prev = None
+            for pos in sorted({pe for pe, _ in points} | {at}):
+                k = (i, p.key(x), pos)
+                if k not in self._by:
+                    var = self.model.NewBoolVar("by")
+                    if prev is not None:
+                        self.model.AddImplication(prev, var)
+                    for pe, e in points:
+                        if pe == pos:
+                            self.model.AddImplication(self._reaches(i, p, x, e), var)
+                    self._by[k] = var
+                prev = self._by[k]
         return self._by[key]
 
     def _reaches(self, i: int, p: RematPath, x: int, e: int) -> Any:
-        """A literal: recomputing ``e`` remakes ``x`` (a chain of dropped readers)."""
+        """A literal: recomputing ``e`` remakes ``x`` (a chain of dropped readers). Every
+        literal of the chain is made first, then its constraints: no recursion."""
         key = (i, p.key(x), p.key(e))
         if key not in self._reach:
-            var = self.model.NewBoolVar("reach")
-            self._reach[key] = var
-            for d in self.cascades[i].via[x][e]:
-                if d == e:
-                    self.model.AddImplication(self.drop[p.key(d)], var)
-                else:
-                    self.model.Add(var >= self.drop[p.key(d)] + self._reaches(i, p, d, e) - 1)
+            made, stack = [], [x]
+            while stack:
+                y = stack.pop()
+                k = (i, p.key(y), p.key(e))
+                if k in self._reach:
+                    continue
+                self._reach[k] = self.model.NewBoolVar("reach")
+                made.append(y)
+                stack.extend(d for d in self.cascades[i].via[y][e] if d != e)
+            for y in made:
+                var = self._reach[(i, p.key(y), p.key(e))]
+                for d in self.cascades[i].via[y][e]:
+                    if d == e:
+                        self.model.AddImplication(self.drop[p.key(d)], var)
+                    else:
+                        reach_d = self._reach[(i, p.key(d), p.key(e))]
+                        self.model.Add(var >= self.drop[p.key(d)] + reach_d - 1)
         return self._reach[key]
 
     def fit(self, budget: int) -> bool:

@@ -168,3 +168,25 @@ def test_a_solver_that_finds_nothing_in_time_falls_back_to_the_lowest_peak_plan(
     assert remat_replay(g, order, plan.dropped).peak == plan.peak
     with pytest.raises(BudgetTooSmall, match=f"\\({smallest} bytes\\)"):
         plan_remat(g, smallest - 1, order)
+
+
+def test_long_chains_of_dropped_readers_build_without_recursion():
+    """A deep network's chain of dropped readers is as long as the network: the model's
+    literals for it must not recurse (a 1000-layer chain overflowed Python's stack)."""
+    import inspect
+    import sys
+
+    from ortools.sat.python import cp_model  # noqa: F401 - imported before the limit drops
+
+    from planner.remat import RematPath, _allowed_candidates, _Model
+
+    g = training_graph(random.Random(0), depth=150)
+    paths = [RematPath(g, list(range(len(g))))]
+    per = _allowed_candidates(paths, set())
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)  # less than the chain is long
+    try:
+        model = _Model(paths, per, [[]])
+    finally:
+        sys.setrecursionlimit(limit)
+    assert len(model.rows) > 150 and len(model.decisions) == len(per[0])
