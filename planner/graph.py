@@ -167,3 +167,31 @@ class PlanningGraph:
             for j in range(after, n):
                 if not any(p >= after for p in self.preds[j]):
                     self.add_edge(producer, j)
+
+
+def needed_at(g: PlanningGraph, order: list[int]) -> dict[int, list[int]]:
+    """Per storage the step makes (local or escaping), the positions in ``order`` where it
+    must be on the device whatever a plan does: its allocation, its uses and, in the issue
+    order, where the program let go of it (the executor frees a value then, not at its last
+    use), ascending."""
+    n = len(order)
+    pos = {v: i for i, v in enumerate(order)}
+    issue_order = order == list(range(n))
+    out = {}
+    for s in g.storages.values():
+        if s.kind != PERSISTENT:
+            ps = {pos[s.producer]} | {pos[u] for u in s.uses}
+            if s.release is not None and issue_order:
+                ps.add(min(s.release, n - 1))
+            out[s.sid] = sorted(ps)
+    return out
+
+
+def longest_gap(points) -> tuple[int, int] | None:
+    """The two consecutive positions furthest apart (the earliest such pair), if at least one
+    position lies strictly between them."""
+    ps = sorted(points)
+    if len(ps) < 2:
+        return None
+    a, b = max(zip(ps, ps[1:]), key=lambda ab: (ab[1] - ab[0], -ab[0]))
+    return (a, b) if b - a >= 2 else None

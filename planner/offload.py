@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .graph import ESCAPING, LOCAL, PlanningGraph
+from .graph import LOCAL, PlanningGraph, longest_gap, needed_at
 
 
 @dataclass(frozen=True)
@@ -69,32 +69,21 @@ class OffloadCandidate:
         return range(self.released + 1, self.prefetch)
 
 
-def storage_uses(g: PlanningGraph, order: list[int]) -> dict[int, list[int]]:
-    """Per local storage, the positions where it must be on the device without any plan: its
-    allocation, its uses, and (in the issue order) where the program let go of it."""
-    n = len(order)
-    pos = {v: i for i, v in enumerate(order)}
-    issue_order = order == list(range(n))
-    out = {}
-    for s in g.storages.values():
-        if s.kind == LOCAL or s.kind == ESCAPING:
-            ps = {pos[s.producer]} | {pos[u] for u in s.uses}
-            if s.release is not None and issue_order:
-                ps.add(min(s.release, n - 1))
-            out[s.sid] = sorted(ps)
-    return out
+def _op_seconds(g: PlanningGraph, order: list[int]) -> list[float]:
+    return [g.ops[v].seconds for v in order]
 
 
 def offload_candidates(g: PlanningGraph, order: list[int], bw: Bandwidth) -> list[OffloadCandidate]:
     """The storages that may be offloaded in ``order``, with their windows, by position."""
     n = len(order)
-    seconds = [g.ops[order[t]].seconds for t in range(n)]
+    seconds = _op_seconds(g, order)
     found = []
-    for sid, ps in storage_uses(g, order).items():
+    for sid, ps in needed_at(g, order).items():
         s = g.storages[sid]
-        if s.kind != LOCAL or s.fetched or s.nbytes <= 0 or len(ps) < 2:
+        gap = longest_gap(ps)
+        if s.kind != LOCAL or s.fetched or s.nbytes <= 0 or gap is None:
             continue
-        a, b = max(zip(ps, ps[1:]), key=lambda ab: (ab[1] - ab[0], -ab[0]))
+        a, b = gap
         t_out, t_in = bw.out_seconds(s.nbytes), bw.in_seconds(s.nbytes)
         released, spent = a + 1, seconds[a + 1] if a + 1 < n else 0.0
         while spent < t_out and released < b - 1:
@@ -119,9 +108,8 @@ def offload_candidates(g: PlanningGraph, order: list[int], bw: Bandwidth) -> lis
 def channel_shares(g: PlanningGraph, order: list[int], offs: list[OffloadCandidate]) -> list[dict[int, float]]:
     """Per position, the share of the copy channel each candidate's copy needs there if it is
     to land within its window (its seconds over the window's compute seconds)."""
-    n = len(order)
-    seconds = [g.ops[order[t]].seconds for t in range(n)]
-    shares: list[dict[int, float]] = [dict() for _ in range(n)]
+    seconds = _op_seconds(g, order)
+    shares: list[dict[int, float]] = [dict() for _ in order]
     for o in offs:
         for window, t in ((range(o.start + 1, o.released + 1), o.out_seconds), (range(o.prefetch, o.use), o.in_seconds)):
             total = sum(seconds[p] for p in window)

@@ -38,7 +38,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph
+from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph, longest_gap, needed_at
 from .offload import Bandwidth, OffloadCandidate, channel_shares, offload_candidates, predict_seconds
 
 MICROSECOND = 1e-6  # cost unit of the CP-SAT objective; every recomputation costs at least one
@@ -140,7 +140,7 @@ def candidates(g: PlanningGraph, order: list[int]) -> list[Candidate]:
             for u in s.uses
             if u in found and found[u].recompute_at > pos[v]
         }
-        gap = _longest_gap(own) or _longest_gap(own | virtual)
+        gap = longest_gap(own) or longest_gap(own | virtual)
         if gap is None:
             continue
         a, b = gap
@@ -152,14 +152,6 @@ def candidates(g: PlanningGraph, order: list[int]) -> list[Candidate]:
             v, tuple(op.allocates), sum(s.nbytes for s in made), op.seconds, a, b, inputs, pos[v]
         )
     return [found[v] for v in order if v in found]
-
-
-def _longest_gap(points: set[int]) -> tuple[int, int] | None:
-    ps = sorted(points)
-    if len(ps) < 2:
-        return None
-    a, b = max(zip(ps, ps[1:]), key=lambda ab: (ab[1] - ab[0], -ab[0]))
-    return (a, b) if b - a >= 2 else None
 
 
 Term = tuple
@@ -211,7 +203,7 @@ class _Cascade:
         return memo[key]
 
 
-def _holds(term: Term, dropped: set[int], cascade: _Cascade, memo: dict) -> bool:
+def _holds(term: Term, dropped: set[int], offloaded: set[int], cascade: _Cascade, memo: dict) -> bool:
     kind = term[0]
     if kind == "keep":
         return term[1] not in dropped
@@ -220,7 +212,7 @@ def _holds(term: Term, dropped: set[int], cascade: _Cascade, memo: dict) -> bool
     if kind == "drop-keep":
         return term[1] in dropped and term[2] not in dropped
     if kind == "on":  # ("on", sid, inner): the storage is not offloaded, and inner holds
-        return term[1] not in memo["offloaded"] and (term[2] is None or _holds(term[2], dropped, cascade, memo))
+        return term[1] not in offloaded and (term[2] is None or _holds(term[2], dropped, offloaded, cascade, memo))
     return term[1] in dropped and cascade.made_again(term[1], term[2], dropped, memo)
 
 
@@ -260,13 +252,7 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate], casca
     n = len(order)
     pos = {v: i for i, v in enumerate(order)}
     owner = {s: c for c in cands for s in c.storages}
-
-    def held_until(s) -> set:
-        # the program holds a storage until its tensors die, and the executor frees it then:
-        # in the issue order that is a need as real as a use
-        return {min(s.release, n - 1)} if s.release is not None and issue_order else set()
-
-    issue_order = order == list(range(n))
+    needs = needed_at(g, order)
     extra: dict[int, list[tuple[int, int]]] = {}
     for c in cands:
         for s in c.inputs:
@@ -275,7 +261,7 @@ def _residency(g: PlanningGraph, order: list[int], cands: list[Candidate], casca
         if s.kind == PERSISTENT:
             continue
         first = pos[s.producer]
-        base = sorted({pos[u] for u in s.uses} | {first} | held_until(s))
+        base = needs[s.sid]
         c = owner.get(s.sid)
         xs = extra.get(s.sid, [])
         if s.kind == ESCAPING or (c is None and not xs):
@@ -324,9 +310,10 @@ def remat_replay(
     clash = [(o.sid, d) for o in offloaded for d in offload_conflicts(o, dropped, cascade)]
     if clash or any(o.producer in chosen for o in offloaded):
         raise ValueError(f"offloaded storages needed while parked (storage, dropped op): {clash}")
-    memo: dict = {"offloaded": {o.sid for o in offloaded}}
+    parked = {o.sid for o in offloaded}
+    memo: dict = {}
     for sid, a, b, terms in _with_offloads(_residency(g, order, dropped, cascade), list(offloaded)):
-        if terms is not None and not any(_holds(t, chosen, cascade, memo) for t in terms):
+        if terms is not None and not any(_holds(t, chosen, parked, cascade, memo) for t in terms):
             continue
         size = g.storages[sid].nbytes
         delta[a] += size
