@@ -162,12 +162,9 @@ def test_any_interleaving_of_moves_reads_writes_and_frees_keeps_values_and_count
                 ex.submit(Free((v,)))
                 state[k] = "freed"
         ex.drain(10)
-        for k in range(4):
-            if state[k] != "freed" and state[k] != "parked":
-                assert torch.equal(ex.values[vid[k]], expected[k])
         assert ex.memory.live == n * sum(s in ("device", "out") for s in state.values())
-        for k in range(4):  # parked values come back on demand, equal
-            if state[k] == "parked":
+        for k in range(4):  # read through the executor: prefetched and parked values come back
+            if state[k] != "freed":
                 fresh += 1
                 ex.submit(run(aten.clone.default, V(vid[k]), outs=[fresh]))
                 ex.drain(10)
