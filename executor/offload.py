@@ -98,11 +98,13 @@ class _Channel:
         return self._pool.submit(_copy_below_autograd, dst, src)
 
     @staticmethod
-    def wait(done: Any) -> None:
+    def wait(done: Any, block: bool) -> None:
+        """Until the copy ``done`` has landed: the thread waits (``block``, or always on a
+        CPU); else only the compute stream does, for a CUDA event."""
         if isinstance(done, Future):
             done.result()
-        elif done is not None:  # a CUDA event: the compute stream waits, the thread does not
-            torch.cuda.current_stream().wait_event(done)
+        elif done is not None:
+            done.synchronize() if block else torch.cuda.current_stream().wait_event(done)
 
 
 def _copy_below_autograd(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -123,6 +125,15 @@ class Offloads:
         self.offloaded = 0  # storages copied out
         self.fetched_late = 0  # parked storages read before a prefetch
         self.wait_seconds = 0.0  # time the executor waited for copies
+
+    def clear(self) -> None:
+        """Forget every parked storage (copies in flight land first); the host pool and the
+        copy channel stay for the next step."""
+        for parcel in {id(p): p for p in (*self.out.values(), *self.parcels.values())}.values():
+            self._wait(parcel.done)
+        self.parcels.clear()
+        self.out.clear()
+        self.offloaded, self.fetched_late, self.wait_seconds = 0, 0, 0.0
 
     def __bool__(self) -> bool:
         return bool(self.parcels or self.out)
@@ -152,7 +163,7 @@ class Offloads:
             parcel = self.out.pop(v, None)
             if parcel is None:
                 continue
-            self._finish(parcel.done)
+            self._wait(parcel.done)
             t = self.values.pop(v, None)
             if t is None:
                 parcel.layouts.pop(v, None)
@@ -166,7 +177,7 @@ class Offloads:
         for v in vids:
             parcel = self.out.get(v)
             if parcel is not None:
-                self._finish(parcel.done)
+                self._wait(parcel.done)
                 for u in parcel.layouts:
                     if self.out.get(u) is parcel:
                         del self.out[u]
@@ -194,20 +205,15 @@ class Offloads:
         if parcel.device is None:
             self.fetched_late += 1
             self._bring_back(parcel)
-        t0 = time.perf_counter()
-        self.channel.wait(parcel.done)
-        self.wait_seconds += time.perf_counter() - t0
+        self._wait(parcel.done, block=False)
         for v, t in parcel.back.items():
             self.values[v] = t
             self.parcels.pop(v, None)
         return self.values[vid]
 
-    def _finish(self, done: Any) -> None:
+    def _wait(self, done: Any, block: bool = True) -> None:
         t0 = time.perf_counter()
-        if isinstance(done, Future):
-            done.result()
-        elif done is not None:
-            done.synchronize()
+        self.channel.wait(done, block)
         self.wait_seconds += time.perf_counter() - t0
 
     def forget(self, vid: int) -> None:
@@ -225,7 +231,7 @@ class Offloads:
         for v in [v for v in self.parcels if lo <= v < hi]:
             self.forget(v)
         for v in [v for v in self.out if lo <= v < hi]:
-            self._finish(self.out.pop(v).done)
+            self._wait(self.out.pop(v).done)
 
     def restore(self, vids: Any) -> None:
         for v in list(vids):
@@ -258,8 +264,7 @@ def measure_bandwidth(device: torch.device | str, nbytes: int = 32 << 20):
                 if cuda:
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                done = channel.copy(dst, src)
-                done.synchronize() if cuda else done.result()
+                channel.wait(channel.copy(dst, src), block=True)
                 runs.append(time.perf_counter() - t0)
             return sorted(runs)[len(runs) // 2]
 

@@ -524,7 +524,7 @@ class Executor:
             w.error = None
             w.memory.__init__()
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
-            w.offloads = Offloads(w.values, w.memory)
+            w.offloads.clear()
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""
