@@ -77,11 +77,17 @@ class BudgetPlan:
     drop_after: dict = field(default_factory=dict)  # op key -> storage keys to drop after it
     paths: list[PathBudget] = field(default_factory=list)
     signatures: set = field(default_factory=set)  # path_signature of every planned path
-    offload_keys: set = field(default_factory=set)  # storage keys parked on the host
+    # op key -> (output slot, storage key) of its outputs parked on the host
+    parked_outputs: dict = field(default_factory=dict)
     # op key -> (Offload | Wait | Prefetch, storage key, host pool offset) to send after it
     moves_after: dict = field(default_factory=dict)
     host_bytes: int = 0  # the host pool: every offloaded storage has its own slice
     seconds: float = 0.0  # planning time, every path and every round of bans included
+
+    @property
+    def offload_keys(self) -> set:
+        """Storage keys parked on the host."""
+        return {key for outs in self.parked_outputs.values() for _k, key in outs}
 
     @property
     def predicted_seconds(self) -> float:
@@ -137,7 +143,8 @@ def plan_program_budget(
         out.recipe_keys.add(key)
         out.drop_after.setdefault(op_key, []).append(key)
     for key, ((after, nbytes),) in moved_at.items():
-        out.offload_keys.add(key)
+        node, k, its = key
+        out.parked_outputs.setdefault((node, its), []).append((k, key))
         for kind, op_key in zip((Offload, Wait, Prefetch), after):
             out.moves_after.setdefault(op_key, []).append((kind, key, out.host_bytes))
         out.host_bytes += -(-nbytes // 512) * 512  # slices aligned for fast copies

@@ -260,12 +260,10 @@ class Skeleton(Recorder):
                 recipe = self._is_recipe(remat, node, rec, its, n_ret)
             at = (node.id, its)
             self._due.extend(remat.drop_after.get(at, ()))
-            if remat.offload_keys:
-                for k in range(n_ret):
-                    key = (node.id, k, its)
-                    if key in remat.offload_keys and (k >= len(node.out_alias) or node.out_alias[k] is None):
-                        self._new_parked.append((rec.index, k, key))
-                self._due_moves.extend(remat.moves_after.get(at, ()))
+            for k, key in remat.parked_outputs.get(at, ()):
+                if k >= len(node.out_alias) or node.out_alias[k] is None:
+                    self._new_parked.append((rec.index, k, key))
+            self._due_moves.extend(remat.moves_after.get(at, ()))
         position = session.submit(
             Run(
                 func, ins_args, ins_kwargs, refs,
