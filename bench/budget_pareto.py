@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import markdown_table, pyplot  # noqa: E402
 from examples.models import ZOO, ZooModel  # noqa: E402
 from planner import LOCAL, PlanningGraph  # noqa: E402
 from planner.tracker import eager_peak  # noqa: E402
@@ -269,13 +269,8 @@ COLUMNS = ["model", "method", "setting", "peak MB", "own MB", "planned MB", "pea
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import markdown_table, pyplot  # noqa: E402
 from examples.programs import BY_NAME, PROGRAMS  # noqa: E402
 
 
@@ -88,13 +88,8 @@ def measure(name: str, steps: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     names = [r["program"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.5), sharey=True)

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import markdown_table  # noqa: E402
+from common import markdown_table, pyplot  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from planner import PlanningGraph, plan_graph  # noqa: E402
 from planner.tracker import eager_peak  # noqa: E402
@@ -71,13 +71,8 @@ def measure(name: str, batch: int, time_limit: float) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, batch in zip(axes, (1, 32)):
