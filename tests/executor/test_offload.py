@@ -15,61 +15,49 @@ aten = torch.ops.aten
 N = 256 * 256 * 4  # bytes of a 256x256 float tensor
 
 
-def test_an_offloaded_storage_leaves_the_device_and_comes_back_equal_with_its_views():
-    ex = Executor("test-offload")
-    try:
-        ex.submit(HostPool(N))
-        ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
-        ex.submit(run(aten.t.default, V(1), outs=[2]))  # a view of 1: same storage
-        ex.drain(10)
-        kept = ex.values[1].clone()
-        ex.submit(Offload((1, 2), 0))
-        ex.submit(Wait((1, 2)))
-        ex.drain(10)
-        assert 1 not in ex.values and 2 not in ex.values and ex.memory.live == 0
-        ex.submit(Prefetch((1, 2)))
-        ex.drain(10)
-        assert ex.memory.live == N  # allocated at the prefetch, before any use
-        ex.submit(run(aten.mul_.Tensor, V(2), 2.0, outs=[]))  # writes through the view
-        ex.submit(run(aten.clone.default, V(1), outs=[3]))
-        ex.drain(10)
-        assert torch.equal(ex.values[3], kept * 2)  # the view still aliases its base
-        assert ex.values[1].untyped_storage().data_ptr() == ex.values[2].untyped_storage().data_ptr()
-        assert ex.memory.peak == 2 * N
-        assert (ex.offloads.offloaded, ex.offloads.fetched_late) == (1, 0)
-    finally:
-        ex.close()
+def test_an_offloaded_storage_leaves_the_device_and_comes_back_equal_with_its_views(ex):
+    ex.submit(HostPool(N))
+    ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
+    ex.submit(run(aten.t.default, V(1), outs=[2]))  # a view of 1: same storage
+    ex.drain(10)
+    kept = ex.values[1].clone()
+    ex.submit(Offload((1, 2), 0))
+    ex.submit(Wait((1, 2)))
+    ex.drain(10)
+    assert 1 not in ex.values and 2 not in ex.values and ex.memory.live == 0
+    ex.submit(Prefetch((1, 2)))
+    ex.drain(10)
+    assert ex.memory.live == N  # allocated at the prefetch, before any use
+    ex.submit(run(aten.mul_.Tensor, V(2), 2.0, outs=[]))  # writes through the view
+    ex.submit(run(aten.clone.default, V(1), outs=[3]))
+    ex.drain(10)
+    assert torch.equal(ex.values[3], kept * 2)  # the view still aliases its base
+    assert ex.values[1].untyped_storage().data_ptr() == ex.values[2].untyped_storage().data_ptr()
+    assert ex.memory.peak == 2 * N
+    assert (ex.offloads.offloaded, ex.offloads.fetched_late) == (1, 0)
 
 
-def test_a_parked_value_read_before_its_prefetch_is_copied_back_on_the_spot():
-    ex = Executor("test-offload")
-    try:
-        ex.submit(HostPool(N))
-        ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
-        ex.submit(Offload((1,), 0))
-        ex.submit(Wait((1,)))
-        ex.submit(run(aten.neg.default, V(1), outs=[2]))
-        ex.drain(10)
-        assert torch.equal(ex.values[2], -ex.values[1])
-        assert ex.offloads.fetched_late == 1
-    finally:
-        ex.close()
+def test_a_parked_value_read_before_its_prefetch_is_copied_back_on_the_spot(ex):
+    ex.submit(HostPool(N))
+    ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
+    ex.submit(Offload((1,), 0))
+    ex.submit(Wait((1,)))
+    ex.submit(run(aten.neg.default, V(1), outs=[2]))
+    ex.drain(10)
+    assert torch.equal(ex.values[2], -ex.values[1])
+    assert ex.offloads.fetched_late == 1
 
 
-def test_a_write_during_the_copy_out_keeps_the_value_on_the_device():
-    ex = Executor("test-offload")
-    try:
-        ex.submit(HostPool(N))
-        ex.submit(run(aten.ones.default, [256, 256], outs=[1]))
-        ex.submit(Offload((1,), 0))
-        # an in-place write renames value 1 to 2 (the skeleton's "move"): the copy is stale
-        ex.submit(Run_move(aten.add_.Tensor, 1, 2, 1.0))
-        ex.submit(Wait((1,)))
-        ex.drain(10)
-        assert torch.equal(ex.values[2], torch.full((256, 256), 2.0))
-        assert not ex.offloads.parcels and ex.memory.live == N
-    finally:
-        ex.close()
+def test_a_write_during_the_copy_out_keeps_the_value_on_the_device(ex):
+    ex.submit(HostPool(N))
+    ex.submit(run(aten.ones.default, [256, 256], outs=[1]))
+    ex.submit(Offload((1,), 0))
+    # an in-place write renames value 1 to 2 (the skeleton's "move"): the copy is stale
+    ex.submit(Run_move(aten.add_.Tensor, 1, 2, 1.0))
+    ex.submit(Wait((1,)))
+    ex.drain(10)
+    assert torch.equal(ex.values[2], torch.full((256, 256), 2.0))
+    assert not ex.offloads.parcels and ex.memory.live == N
 
 
 def Run_move(func, old, new, other):
@@ -78,26 +66,22 @@ def Run_move(func, old, new, other):
     return Run(func, [None, other], {}, ((0, -1, old),), (new,), ((old, new),))
 
 
-def test_freeing_and_restoring_parked_values():
-    ex = Executor("test-offload")
-    try:
-        ex.submit(HostPool(2 * N))
-        ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
-        ex.submit(run(aten.randn.default, [256, 256], outs=[2]))
-        ex.submit(Offload((1,), 0))
-        ex.submit(Offload((2,), N))
-        ex.submit(Wait((1,)))
-        ex.submit(Wait((2,)))
-        ex.submit(Free((1,)))  # Python let go of a parked value: nothing to bring back
-        ex.submit(Restore(None, 0, 10))  # the skeleton is about to read what is left
-        ex.drain(10)
-        assert 1 not in ex.values and 2 in ex.values and ex.memory.live == N
-        ex.submit(Prefetch((2,)))
-        ex.submit(FreeRange(0, 10))
-        ex.drain(10)
-        assert ex.memory.live == 0 and not ex.offloads.parcels
-    finally:
-        ex.close()
+def test_freeing_and_restoring_parked_values(ex):
+    ex.submit(HostPool(2 * N))
+    ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
+    ex.submit(run(aten.randn.default, [256, 256], outs=[2]))
+    ex.submit(Offload((1,), 0))
+    ex.submit(Offload((2,), N))
+    ex.submit(Wait((1,)))
+    ex.submit(Wait((2,)))
+    ex.submit(Free((1,)))  # Python let go of a parked value: nothing to bring back
+    ex.submit(Restore(None, 0, 10))  # the skeleton is about to read what is left
+    ex.drain(10)
+    assert 1 not in ex.values and 2 in ex.values and ex.memory.live == N
+    ex.submit(Prefetch((2,)))
+    ex.submit(FreeRange(0, 10))
+    ex.drain(10)
+    assert ex.memory.live == 0 and not ex.offloads.parcels
 
 
 def test_bandwidth_is_measured_once_and_positive():
