@@ -132,7 +132,7 @@ class Session:
         self.wait(position)
         vid = self.base + ph._vid
         real = self.executor.values.get(vid)
-        if real is None and (vid in self.executor.recipes.dropped or vid in self.executor.offloads.parcels):
+        if real is None and self.executor.away(vid):
             self.wait(self.executor.submit(Restore((vid,))))
             real = self.executor.values.get(vid)
         if real is None:
@@ -144,7 +144,7 @@ class Session:
         """After the executor drained: every live placeholder gets its value, copied out of
         the arena (which the next step reuses). ``release``: the placeholders also let go of
         the session, so a kept one does not keep the step's bookkeeping alive."""
-        if self.remat is not None and (self.executor.recipes.dropped or self.executor.offloads.parcels):
+        if self.remat is not None and self.executor.away():
             self.wait(self.executor.submit(Restore(None, self.base, self.base + _VID_SPACE)))
         values = self.executor.values
         for entry in self.tracked:

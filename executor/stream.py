@@ -223,6 +223,13 @@ class _Worker:
                 box[arg][item] = t
         return args, kwargs
 
+    def away(self, vid: int | None = None) -> bool:
+        """Is ``vid`` (None: any value) out of the table but retrievable: dropped (to be
+        recomputed) or parked on the host (to be copied back)?"""
+        if vid is None:
+            return bool(self.recipes.dropped or self.offloads.parcels)
+        return vid in self.recipes.dropped or vid in self.offloads.parcels
+
     def fetch(self, vid: int) -> Any:
         """A value not in the table: parked on the host (copied back) or dropped (recomputed);
         KeyError if neither."""
@@ -467,6 +474,11 @@ class Executor:
     memory = property(lambda self: self._w.memory)  # LiveBytes of the value table
     recipes = property(lambda self: self._w.recipes)
     offloads = property(lambda self: self._w.offloads)
+
+    def away(self, vid: int | None = None) -> bool:
+        """Whether ``vid`` (None: any value) is dropped or parked, so a ``Restore`` brings it
+        back."""
+        return self._w.away(vid)
 
     @property
     def alive(self) -> bool:
