@@ -194,13 +194,25 @@ class _Cascade:
         )
 
     def reaches(self, x: int, e: int, dropped: set[int], memo: dict) -> bool:
-        key = (x, e)
-        if key not in memo:
-            memo[key] = any(
-                d in dropped and (d == e or self.reaches(d, e, dropped, memo))
-                for d in self.via[x].get(e, ())
-            )
-        return memo[key]
+        """Is there a chain of dropped readers from ``x`` to ``e``? A search, not a recursion:
+        chains may be thousands of ops long."""
+        if (x, e) in memo:
+            return memo[x, e]
+        seen, stack, found = {x}, [x], False
+        while stack and not found:
+            for d in self.via[stack.pop()].get(e, ()):
+                if d not in dropped or d in seen or memo.get((d, e)) is False:
+                    continue
+                if d == e or memo.get((d, e)):
+                    found = True
+                    break
+                seen.add(d)
+                stack.append(d)
+        if found:
+            memo[x, e] = True
+        else:  # nothing reachable from x reaches e either
+            memo.update(((y, e), False) for y in seen)
+        return found
 
 
 def _holds(term: Term, dropped: set[int], offloaded: set[int], cascade: _Cascade, memo: dict) -> bool:

@@ -190,3 +190,21 @@ def test_long_chains_of_dropped_readers_build_without_recursion():
     finally:
         sys.setrecursionlimit(limit)
     assert len(model.rows) > 150 and len(model.decisions) == len(per[0])
+
+
+def test_the_simulator_follows_long_chains_of_dropped_readers_without_recursion():
+    """The same chains in the simulator (remat_replay): every forward activation dropped,
+    under a recursion limit shorter than the chain."""
+    import inspect
+    import sys
+
+    g = training_graph(random.Random(0), depth=150)
+    order = list(range(len(g)))
+    dropped = candidates(g, order)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 100)  # less than the chain is long
+    try:
+        rep = remat_replay(g, order, dropped)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert rep.peak < replay(g, order).peak and rep.extra_seconds == sum(c.seconds for c in dropped)
