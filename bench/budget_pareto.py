@@ -82,7 +82,9 @@ def chain(z: ZooModel) -> list[nn.Module | object]:
 
         return [*m.features, head]
     if name == "vgg11":
-        return [*m.features, lambda x: m.classifier(torch.flatten(x, 1))]
+        return list(m)
+    if name == "lstm-lm":
+        return [m.embed, lambda x: m.lstm(x)[0], m.decoder]
     raise KeyError(f"no chain for {name}")
 
 

@@ -41,6 +41,15 @@ from typing import Any
 from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph, longest_gap, needed_at
 from .offload import Bandwidth, OffloadCandidate, channel_shares, offload_candidates, predict_seconds
 
+# the model lists, per path, each pair (x, e) of a chain of dropped readers x <- ... <- e; the
+# pairs grow with the square of the chains' reach. Past this many, a chain may reach at most
+# MAX_CASCADE_PAIRS // candidates candidates ahead (at least MIN_SPAN), so the model grows
+# linearly with the graph: a restriction (longer chains are forbidden), exact within it
+MAX_CASCADE_PAIRS = 20_000
+MIN_SPAN = 8
+# memory rows list every storage in play at a position (the strongest form for the solver)
+# while that takes at most this many terms in all; past it, a running sum per position
+MAX_DENSE_TERMS = 300_000
 MICROSECOND = 1e-6  # cost unit of the CP-SAT objective; every recomputation costs at least one
 # an offload costs no compute when its copies overlap (the channel rows see to that): one unit,
 # so that storages are parked only when the budget needs it
@@ -165,27 +174,44 @@ class _Cascade:
     down the chain. So candidate ``x`` is made again at ``p_e`` (the recompute point of ``e``)
     when there is a chain ``x <- d <- ... <- e`` of dropped readers with ``p_e`` inside the gap
     of every op on it. ``points[x]``: the ``(p_e, e)`` that may reach ``x``, by ``p_e``;
-    ``via[x][e]``: the readers of ``x`` that lead to ``e`` (``e`` itself when direct)."""
+    ``via[x][e]``: the readers of ``x`` that lead to ``e`` (``e`` itself when direct).
 
-    def __init__(self, cands: list[Candidate]) -> None:
+    With ``span``, only chains whose end ``e`` is at most that many candidates after ``x`` are
+    listed: the pairs grow with the square of the chains' reach, the span keeps them linear. That
+    is exact for drops without a longer chain of dropped readers (``_Model`` forbids longer ones
+    when the span cuts one off: ``truncated``)."""
+
+    def __init__(self, cands: list[Candidate], span: int | None = None) -> None:
         readers: dict[int, list[Candidate]] = {}
         for c in cands:
             for s in c.inputs:
                 readers.setdefault(s, []).append(c)
+        self.span = span if span is not None else len(cands)
+        self.rank = {c.op: i for i, c in enumerate(sorted(cands, key=lambda c: c.at))}
         self.via: dict[int, dict[int, list[int]]] = {}
         self.points: dict[int, list[tuple[int, int]]] = {}
+        self.readers: dict[int, list[int]] = {}  # x -> the candidates that read x's storages
+        self.truncated = False  # a longer chain was left out (the span mattered)
         at: dict[int, int] = {}  # e -> p_e
         for x in sorted(cands, key=lambda c: -c.at):  # readers before what they read
             via: dict[int, list[int]] = {}
-            for d in {d.op: d for s in x.storages for d in readers.get(s, ())}.values():
+            ds = {d.op: d for s in x.storages for d in readers.get(s, ())}
+            self.readers[x.op] = sorted(ds)
+            reach = self.rank[x.op] + self.span
+            for d in ds.values():
                 at[d.op] = d.recompute_at
-                if x.free_after < d.recompute_at < x.recompute_at:
-                    via.setdefault(d.op, []).append(d.op)
-                for e in self.via.get(d.op, ()):
-                    if x.free_after < at[e] < x.recompute_at:
-                        via.setdefault(e, []).append(d.op)
+                for e in (d.op, *self.via[d.op]):
+                    if not x.free_after < at[e] < x.recompute_at:
+                        continue
+                    if self.rank[e] > reach:
+                        self.truncated = True
+                        continue
+                    via.setdefault(e, []).append(d.op)
             self.via[x.op] = via
             self.points[x.op] = sorted((at[e], e) for e in via)
+
+    def pairs(self) -> int:
+        return sum(len(v) for v in self.via.values())
 
     def made_again(self, x: int, p: int, dropped: set[int], memo: dict) -> bool:
         """Is dropped ``x`` made again by position ``p``?"""
@@ -465,7 +491,9 @@ class _Model:
         self._reach: dict[tuple, Any] = {}  # (path, x, e) -> R: e's recomputation remakes x
         self._by: dict[tuple, Any] = {}  # (path, x, p) -> x is remade by position p (if dropped)
         self.cascades: list[_Cascade] = []
-        self.rows: list[tuple[int, list[tuple[int, Any]]]] = []
+        self.chain_span: int | None = None  # how far a chain of dropped readers may reach, if capped
+        # (fixed bytes, the bytes decisions leave resident (a linear expression), their most)
+        self.rows: list[tuple[int, Any, int]] = []
         self._channel: set = set()
         self._offs: list[dict[int, OffloadCandidate]] = []  # per path: sid -> candidate
         for i, (p, cands, os) in enumerate(zip(paths, per, offs)):
@@ -480,10 +508,10 @@ class _Model:
         n = len(order)
         fixed = [g.ops[order[t]].workspace for t in range(n)]
         delta = [0] * (n + 1)
-        # terms[t]: {sid: terms} for storages whose residency at t depends on the decisions
-        terms: list[dict[int, frozenset]] = [dict() for _ in range(n)]
-        cascade = _Cascade(cands)
+        cascade = _Cascade(cands, max(MIN_SPAN, MAX_CASCADE_PAIRS // max(1, len(cands))))
         self.cascades.append(cascade)
+        if cascade.truncated:
+            self._cap_chains(i, p, cands, cascade)
         self._offs.append({o.sid: o for o in offs})
         for o in offs:  # a parked storage is needed by nobody: not made again, not read
             off = self.off[offload_key(p, o)]
@@ -499,25 +527,23 @@ class _Model:
                 for pe, e in cascade.points.get(c.op, ()):
                     if pe in o.off:  # c is made again there for a chain of dropped readers
                         self.model.Add(off + drop + self._reaches(i, p, c.op, e) <= 2)
+        pieces = []  # (sid, first, stop, literal): resident on [first, stop) iff the literal
         for sid, a, b, ts in _with_offloads(_residency(g, order, cands, cascade), offs):
+            size = g.storages[sid].nbytes
             if ts is None:
-                delta[a] += g.storages[sid].nbytes
-                delta[b] -= g.storages[sid].nbytes
+                delta[a] += size
+                delta[b] -= size
             else:
-                for t in range(a, b):
-                    terms[t][sid] = ts
+                pieces.append((sid, a, b, self._resident(i, p, sid, tuple(sorted(ts, key=repr)))))
         run = 0
         for t in range(n):
             run += delta[t]
             fixed[t] += run
-        groups: dict[tuple, int] = {}
-        for t in range(n):
-            key = tuple(sorted((sid, tuple(sorted(ts, key=repr))) for sid, ts in terms[t].items()))
-            groups[key] = max(groups.get(key, 0), fixed[t])
-        persistent = g.persistent_bytes
-        for key, base in groups.items():
-            lits = [(g.storages[sid].nbytes, self._resident(i, p, sid, ts)) for sid, ts in key]
-            self.rows.append((persistent + base, lits))
+        fixed = [g.persistent_bytes + f for f in fixed]
+        if sum(b - a for _, a, b, _ in pieces) <= MAX_DENSE_TERMS:
+            self._dense_rows(g, n, fixed, pieces)
+        else:
+            self._running_rows(g, n, fixed, pieces)
         by_sid = {o.sid: o for o in offs}
         for shares in channel_shares(g, order, offs):
             if len(shares) > 1 and sum(shares.values()) > 1:
@@ -525,6 +551,60 @@ class _Model:
                 if row not in self._channel:
                     self._channel.add(row)
                     self.model.Add(sum(w * self.off[k] for k, w in row) <= 1000)
+
+    def _dense_rows(self, g: PlanningGraph, n: int, fixed: list[int], pieces: list) -> None:
+        """A row per set of storages in play: every literal of every storage resident there
+        (rows repeat rarely; the solver propagates them best)."""
+        at: list[dict[int, Any]] = [dict() for _ in range(n)]
+        for sid, a, b, lit in pieces:
+            for t in range(a, b):
+                at[t][sid] = lit
+        groups: dict[tuple, int] = {}
+        for t in range(n):
+            key = tuple(sorted((sid, lit.Index()) for sid, lit in at[t].items()))
+            if key not in groups or groups[key][0] < fixed[t]:
+                groups[key] = (fixed[t], at[t])
+        for base, lits in groups.values():
+            sizes = [(g.storages[sid].nbytes, lit) for sid, lit in lits.items()]
+            self.rows.append((base, sum(size * lit for size, lit in sizes), sum(size for size, _ in sizes)))
+
+    def _running_rows(self, g: PlanningGraph, n: int, fixed: list[int], pieces: list) -> None:
+        """The bytes in play as a running sum: a variable per position that adds the pieces
+        starting there and takes off those that stop (linear in the graph, where a row listing
+        every storage in play grows with its square)."""
+        steps: list[dict[int, list]] = [dict() for _ in range(n + 1)]  # t -> literal -> [lit, bytes]
+        in_play = [0] * (n + 1)
+        for sid, a, b, lit in pieces:
+            size = g.storages[sid].nbytes
+            in_play[a] += size
+            in_play[b] -= size
+            for t, sign in ((a, size), (b, -size)):
+                steps[t].setdefault(lit.Index(), [lit, 0])[1] += sign
+        level, most = None, 0  # the running sum's variable, and the most it can hold
+        for t in range(n):
+            most += in_play[t]
+            change = [(size, lit) for lit, size in steps[t].values() if size]
+            if change or level is None:
+                var = self.model.NewIntVar(0, most, f"mem{t}")
+                self.model.Add(var == (level if level is not None else 0) + sum(size * lit for size, lit in change))
+                level = var
+                self.rows.append((fixed[t], level, most))
+            else:  # the same variable bytes: one row, at the most fixed bytes
+                base, _, was = self.rows[-1]
+                self.rows[-1] = (max(base, fixed[t]), level, max(was, most))
+
+    def _cap_chains(self, i: int, p: RematPath, cands: list[Candidate], cascade: _Cascade) -> None:
+        """No chain of dropped readers reaching further than the cascade's span: ``far[x]``
+        bounds the rank of the last candidate on a chain of dropped readers from ``x`` (over
+        every reader, a superset of the chains that remake: sound)."""
+        self.chain_span = cascade.span if self.chain_span is None else min(self.chain_span, cascade.span)
+        rank = cascade.rank
+        far = {c.op: self.model.NewIntVar(0, rank[c.op] + cascade.span, f"far{c.op}") for c in cands}
+        for c in cands:
+            drop = self.drop[p.key(c.op)]
+            self.model.Add(far[c.op] >= rank[c.op]).OnlyEnforceIf(drop)
+            for d in cascade.readers[c.op]:
+                self.model.Add(far[c.op] >= far[d]).OnlyEnforceIf(drop)
 
     def _resident(self, i: int, p: RematPath, sid: int, ts: tuple) -> Any:
         """A literal that is true when one of the terms holds (the solver keeps it false
@@ -609,11 +689,11 @@ class _Model:
 
     def fit(self, budget: int) -> bool:
         """Add the budget rows; False when a row cannot hold whatever is dropped."""
-        for base, lits in self.rows:
+        for base, level, most in self.rows:
             if base > budget:
                 return False
-            if base + sum(size for size, _ in lits) > budget:
-                self.model.Add(sum(size * lit for size, lit in lits) <= budget - base)
+            if base + most > budget:
+                self.model.Add(level <= budget - base)
         return True
 
     def solve(self, time_limit: float, hint: set | None, workers: int = 8):
@@ -674,23 +754,44 @@ def min_feasible_budget_paths(
 ) -> tuple[int, set]:
     """The lowest peak (over all paths) reachable by dropping candidates (and offloading, given
     the copy ``bandwidth``), and the keys that reach it: proven lowest unless the solver ran
-    out of time (then an achievable bound)."""
+    out of time (then an achievable bound) or the model capped the chains of dropped readers
+    (then lowest among plans within the cap)."""
     per = _allowed_candidates(paths, set(banned))
     offs = _allowed_offloads(paths, bandwidth, set(banned))
     everything = {p.key(c.op) for p, cs in zip(paths, per) for c in cs}
-    options = [set(), everything]
+    options = [set()]
     if everything or any(offs):
         model = _Model(paths, per, offs)
-        top = sum(max(r.peak for r in _replays(paths, per, offs, o)) for o in options)
+        if model.chain_span is None:  # (else it breaks the model's cap, and replays slowly)
+            options.append(everything)
+        else:  # checkpoints every k candidates: a start for the solver on large graphs
+            options += _periodic(paths, per, model.chain_span)
+        peaks = {id(o): max(r.peak for r in _replays(paths, per, offs, o)) for o in options}
+        hint = min(options, key=lambda o: peaks[id(o)])
+        top = max((base + most for base, _, most in model.rows), default=0)
         peak = model.model.NewIntVar(0, top, "peak")
-        for base, lits in model.rows:
-            model.model.Add(base + sum(size * lit for size, lit in lits) <= peak)
+        for base, level, _ in model.rows:
+            model.model.Add(base + level <= peak)
         model.model.Minimize(peak)
-        _solver, _status, chosen = model.solve(time_limit, None)
+        _solver, _status, chosen = model.solve(time_limit, hint)
         if chosen is not None:
             options.append(chosen)
-    best = min(options, key=lambda o: (max(r.peak for r in _replays(paths, per, offs, o)), len(o)))
-    return max(r.peak for r in _replays(paths, per, offs, best)), best
+            peaks[id(chosen)] = max(r.peak for r in _replays(paths, per, offs, chosen))
+    else:
+        peaks = {id(options[0]): max(r.peak for r in _replays(paths, per, offs, options[0]))}
+    best = min(options, key=lambda o: (peaks[id(o)], len(o)))
+    return peaks[id(best)], best
+
+
+def _periodic(paths: list[RematPath], per: list[list[Candidate]], span: int) -> list[set]:
+    """Plans that keep every k-th candidate (in each path's order) and drop the rest, for k up
+    to the span: uniform checkpoints, rotor's simplest schedule, for large graphs."""
+    plans = []
+    k = 2
+    while k <= span:
+        plans.append({p.key(c.op) for p, cs in zip(paths, per) for r, c in enumerate(cs) if r % k != k - 1})
+        k *= 2
+    return plans
 
 
 def min_feasible_budget(
@@ -747,7 +848,7 @@ def plan_remat_paths(
             method = "cp-sat" if status == model.cp.OPTIMAL else "cp-sat-timeout"
         obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
         gap = 0.0 if status == model.cp.OPTIMAL else (obj - bound) / obj if obj else 0.0
-    elif status == model.cp.INFEASIBLE:
+    elif status == model.cp.INFEASIBLE and model.chain_span is None:  # (a capped model proves less)
         raise too_small()
     if chosen is None:
         # no plan found in time: the plan of the lowest peak serves if it fits (near the

@@ -170,7 +170,7 @@ def test_a_solver_that_finds_nothing_in_time_falls_back_to_the_lowest_peak_plan(
         plan_remat(g, smallest - 1, order)
 
 
-def test_long_chains_of_dropped_readers_build_without_recursion():
+def test_long_chains_of_dropped_readers_build_without_recursion(monkeypatch):
     """A deep network's chain of dropped readers is as long as the network: the model's
     literals for it must not recurse (a 1000-layer chain overflowed Python's stack)."""
     import inspect
@@ -178,7 +178,10 @@ def test_long_chains_of_dropped_readers_build_without_recursion():
 
     from ortools.sat.python import cp_model  # noqa: F401 - imported before the limit drops
 
+    import planner.remat as remat
     from planner.remat import RematPath, _allowed_candidates, _Model
+
+    monkeypatch.setattr(remat, "MAX_CASCADE_PAIRS", 10**9)  # chains as long as the network
 
     g = training_graph(random.Random(0), depth=150)
     paths = [RematPath(g, list(range(len(g))))]
@@ -190,6 +193,7 @@ def test_long_chains_of_dropped_readers_build_without_recursion():
     finally:
         sys.setrecursionlimit(limit)
     assert len(model.rows) > 150 and len(model.decisions) == len(per[0])
+    assert model.chain_span is None and model.cascades[0].pairs() > 150 * 149 // 2 // 2
 
 
 def test_the_simulator_follows_long_chains_of_dropped_readers_without_recursion():
@@ -208,3 +212,59 @@ def test_the_simulator_follows_long_chains_of_dropped_readers_without_recursion(
     finally:
         sys.setrecursionlimit(limit)
     assert rep.peak < replay(g, order).peak and rep.extra_seconds == sum(c.seconds for c in dropped)
+
+
+def _reach_of_chains(cands, dropped: set[int]) -> dict[int, int]:
+    """For each dropped candidate, the rank (in the order) of the last candidate on a chain
+    of dropped readers from it: what the model's span cap bounds."""
+    from planner.remat import _Cascade
+
+    cascade = _Cascade(cands)
+    far: dict[int, int] = {}
+    for c in sorted(cands, key=lambda c: -c.at):
+        if c.op in dropped:
+            far[c.op] = max([cascade.rank[c.op], *(far[d] for d in cascade.readers[c.op] if d in dropped)])
+    return far
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_capped_model_is_optimal_among_plans_within_its_span(seed, monkeypatch):
+    """Past MAX_CASCADE_PAIRS the model lets a chain of dropped readers reach only so many
+    candidates ahead, so that it grows linearly with the graph. Forced onto small graphs (span
+    2), the solver's plan must respect the cap and cost exactly the cheapest plan, by
+    exhaustive search, among those that respect it; the smallest budget likewise. (The greedy
+    warm start knows no cap: its plan, replayed exactly, is kept when it costs no more.)"""
+    import itertools
+
+    import planner.remat as remat
+
+    monkeypatch.setattr(remat, "MAX_CASCADE_PAIRS", 1)
+    monkeypatch.setattr(remat, "MIN_SPAN", 2)
+    rng = random.Random(300 + seed)
+    g = training_graph(rng, depth=rng.randint(6, 9), skips=rng.randint(0, 2))
+    order = list(range(len(g)))
+    cands = candidates(g, order)
+    rank = {c.op: i for i, c in enumerate(cands)}
+
+    def within(subset) -> bool:
+        far = _reach_of_chains(cands, {c.op for c in subset})
+        return all(far[c.op] - rank[c.op] <= 2 for c in subset)
+
+    plans = [
+        (remat_replay(g, order, list(s)).peak, sum(map(_cost, s)))
+        for k in range(len(cands) + 1)
+        for s in itertools.combinations(cands, k)
+        if within(s)
+    ]
+    smallest, choice = min_feasible_budget(g, order)
+    assert smallest == min(peak for peak, _ in plans) and within(choice)
+    base = replay(g, order).peak
+    for budget in sorted({smallest, (smallest + base) // 2, base - 1}):
+        plan = plan_remat(g, budget, order)
+        assert plan.peak == remat_replay(g, order, plan.dropped).peak <= budget
+        cheapest = min(cost for peak, cost in plans if peak <= budget)
+        if plan.method == "greedy":
+            assert sum(map(_cost, plan.dropped)) <= cheapest
+        else:
+            assert plan.method == "cp-sat" and within(plan.dropped)
+            assert sum(map(_cost, plan.dropped)) == cheapest
