@@ -65,8 +65,13 @@ def test_an_offloaded_input_of_a_dropped_op_recomputed_while_parked_is_refused()
             remat_replay(g, order, [c1], [o0])
 
 
+@pytest.mark.parametrize("rows", ["dense", "running"])
 @pytest.mark.parametrize("seed", range(10))
-def test_combined_plan_matches_exhaustive_search(seed):
+def test_combined_plan_matches_exhaustive_search(seed, rows, monkeypatch):
+    import planner.remat as remat
+
+    if rows == "running":  # the memory rows of large graphs, forced
+        monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
     rng = random.Random(seed)
     g = training_graph(rng, depth=rng.randint(3, 6), skips=rng.randint(0, 2))
     order = list(range(len(g)))

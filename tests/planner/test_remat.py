@@ -101,8 +101,15 @@ def test_mutated_ops_are_never_dropped_random_ones_may_be():
     assert sorted(c.op for c in candidates(g, order)) == [0, 1]
 
 
+@pytest.mark.parametrize("rows", ["dense", "running"])
 @pytest.mark.parametrize("seed", range(12))
-def test_plan_matches_exhaustive_search(seed):
+def test_plan_matches_exhaustive_search(seed, rows, monkeypatch):
+    """Optimal against exhaustive search, with the memory rows in either form: every storage
+    in play listed (small and mid graphs) or running sums (large ones, forced here)."""
+    import planner.remat as remat
+
+    if rows == "running":
+        monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
     rng = random.Random(seed)
     g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
     order = list(range(len(g)))
@@ -123,8 +130,13 @@ def test_plan_matches_exhaustive_search(seed):
         assert plan.optimal
 
 
+@pytest.mark.parametrize("rows", ["dense", "running"])
 @pytest.mark.parametrize("seed", range(8))
-def test_smallest_feasible_budget_is_exact_and_named(seed):
+def test_smallest_feasible_budget_is_exact_and_named(seed, rows, monkeypatch):
+    import planner.remat as remat
+
+    if rows == "running":
+        monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
     rng = random.Random(100 + seed)
     g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
     order = list(range(len(g)))
@@ -268,3 +280,33 @@ def test_a_capped_model_is_optimal_among_plans_within_its_span(seed, monkeypatch
         else:
             assert plan.method == "cp-sat" and within(plan.dropped)
             assert sum(map(_cost, plan.dropped)) == cheapest
+
+
+def test_a_large_graph_gets_a_model_linear_in_its_size_and_a_valid_plan(monkeypatch):
+    """Past MAX_CASCADE_PAIRS the chains are capped and (past MAX_DENSE_TERMS, forced here)
+    the rows are running sums: doubling the graph doubles the model's terms (dense rows and
+    uncapped chains would quadruple them), and its plans are still within budget by the exact
+    simulator, reaching well below the unbudgeted peak."""
+    import planner.remat as remat
+    from planner.remat import RematPath, _allowed_candidates, _Model
+
+    monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
+
+    def model_terms(depth: int) -> tuple[int, _Model]:
+        g = training_graph(random.Random(0), depth=depth, skips=depth // 10)
+        paths = [RematPath(g, list(range(len(g))))]
+        model = _Model(paths, _allowed_candidates(paths, set()), [[]])
+        assert model.fit(replay(g, paths[0].order).peak // 2)
+        return sum(len(c.linear.vars) for c in model.model.Proto().constraints), model
+
+    small, _ = model_terms(300)
+    large, model = model_terms(600)
+    assert large < 2.3 * small
+    assert model.chain_span == remat.MAX_CASCADE_PAIRS // 600 and model.cascades[0].pairs() <= remat.MAX_CASCADE_PAIRS
+    g = training_graph(random.Random(0), depth=400, skips=40)
+    order = list(range(len(g)))
+    base = replay(g, order).peak
+    smallest, dropped = min_feasible_budget(g, order, time_limit=10)
+    assert smallest == remat_replay(g, order, dropped).peak < base // 2
+    plan = plan_remat(g, (smallest + base) // 2, order, time_limit=10)
+    assert plan.peak == remat_replay(g, order, plan.dropped).peak <= (smallest + base) // 2
