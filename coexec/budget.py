@@ -25,7 +25,16 @@ import torch
 from executor import Offload, Prefetch, Wait
 from planner import PlanningGraph
 from planner.offload import Bandwidth
-from planner.remat import BudgetTooSmall, RematPath, RematPlan, offload_key, offload_window, plan_remat_paths, remat_replay
+from planner.remat import (
+    BudgetTooSmall,
+    RematPath,
+    RematPlan,
+    format_bytes,
+    offload_key,
+    offload_window,
+    plan_remat_paths,
+    remat_replay,
+)
 from tracegraph import Trace, TraceGraph
 
 from .arena import path_keys
@@ -100,6 +109,17 @@ class BudgetPlan:
     @property
     def recompute_seconds(self) -> float:
         return max((p.plan.extra_seconds for p in self.paths), default=0.0)
+
+    def summary(self) -> str:
+        """One line for the debug log: what the plan does and what it cost to find."""
+        methods = sorted({p.plan.method for p in self.paths})
+        return (
+            f"memory budget {format_bytes(self.budget)}: planned peak {format_bytes(self.planned_peak)} "
+            f"over {len(self.paths)} path(s), {len({k for ks in self.drop_after.values() for k in ks})} "
+            f"storages recomputed (+{1e3 * self.recompute_seconds:.1f} ms), {len(self.offload_keys)} "
+            f"offloaded; predicted step {1e3 * self.predicted_seconds:.1f} ms; planned in "
+            f"{self.seconds:.1f} s ({', '.join(methods)})"
+        )
 
 
 def _lagged(g: PlanningGraph, lag: int) -> PlanningGraph:

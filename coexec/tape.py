@@ -147,7 +147,7 @@ class GradientTape:
     (``"step"``: wait for the step's work when the block exits, the default; ``"none"``: let it
     run on, call :func:`coexec.synchronize` before reading model state outside a step),
     ``backend`` (``"interpret"``), ``timeout`` (seconds any wait on the executor may take
-    before it becomes an error), ``debug`` (print phase changes and fallbacks to stderr),
+    before it becomes an error), ``debug`` (print phase changes, fallbacks and budget plans to stderr),
     ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can
     give each its own key), ``arena`` (co-executed steps write planned outputs into one
@@ -434,6 +434,7 @@ class _Step:
         if not planned:
             program.paths.append(sk.trace)
             program.replan_budget(program.budget, program.offload)
+            self._log_budget()
 
     def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
         """Bind the step's placeholders, give persistent state its real tensors, and let the
@@ -467,6 +468,7 @@ class _Step:
             if self.tape.arena:
                 program.replan_arena()
             program.replan_budget(self.tape.memory_budget, self.tape.offload)
+            self._log_budget()
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")
@@ -485,6 +487,10 @@ class _Step:
     def _log(self, msg: str) -> None:
         if self.tape.debug:
             print(f"coexec [{self.program.where}]: {msg}", file=sys.stderr)
+
+    def _log_budget(self) -> None:
+        if self.program.budget_plan is not None:
+            self._log(self.program.budget_plan.summary())
 
 
 def _persistent_bytes(trace: Any) -> int:

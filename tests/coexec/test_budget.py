@@ -13,7 +13,7 @@ from torch import nn
 
 import coexec
 from coexec.budget import parse_budget
-from planner.remat import BudgetTooSmall
+from planner.remat import BudgetTooSmall, format_bytes
 from tests.coexec.helpers import as_float, run, tensors_of
 
 
@@ -109,6 +109,25 @@ def test_at_the_smallest_feasible_budget_steps_recompute_stay_within_it_and_bit_
     assert len(peaks) >= 2 and max(peaks) <= budget
     assert tape.stats.recomputed_ops > 0
     assert tape.stats.planned_peak_bytes <= budget
+
+
+def test_debug_logs_what_the_budget_plan_does(capsys):
+    """With ``debug``, planning a budget says what the plan does, as the stats later show it."""
+    state = make()
+    tape = coexec.GradientTape(memory_budget=2_000_000, key="budget-debug", debug=True)
+    for i in range(4):
+        with tape:
+            step(state, i)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "memory budget 1.91 MiB" in x]
+    plan = tape._program.budget_plan
+    assert len(lines) == len(plan.paths) == 2  # planned again for the second path
+    recomputed = len({k for ks in plan.drop_after.values() for k in ks})
+    assert recomputed > 0 and tape.stats.recomputed_ops > 0
+    assert (
+        f"planned peak {format_bytes(plan.planned_peak)} over 2 path(s), {recomputed} storages recomputed"
+        in lines[-1]
+    )
+    assert "0 offloaded" in lines[-1] and "planned in" in lines[-1]
 
 
 def test_a_generous_budget_recomputes_nothing():
