@@ -8,7 +8,8 @@ Per zoo model, one SGD training step measured as
 * ``checkpoint k``: ``torch.utils.checkpoint.checkpoint_sequential`` over the model's chain of
   modules cut into ``k`` segments, for every ``k`` (non-reentrant);
 * ``coexec``: co-executed without a budget (with and without the arena: a budget turns the
-  arena off, so "vs no budget" is relative to the run without it), then with ``memory_budget`` set so that the
+  arena off, so "vs no budget" is relative to the run without it), then with ``memory_budget``
+  set so that the
   activation memory (bytes made in the forward pass and still held when the backward starts,
   from the step's planning graph) is 75%, 50%, 25% of the unbudgeted one, and at the smallest
   feasible budget (the figure ``BudgetTooSmall`` names); recomputation only
@@ -26,7 +27,10 @@ next to the plan's prediction. On CUDA: ``torch.cuda.max_memory_allocated`` for 
 (synchronised on CUDA); "predicted ms" is the plan's step time (op times, recomputation and
 waits for copies, ``planner.offload.predict_seconds``) next to coexec's measured one and to the
 time the executor was busy per step (mean; it runs the planned work, the skeleton's Python
-overhead is not in the plan). "plan s": the time to plan the budget (all paths, every round).
+overhead is not in the plan). "vs no budget": the median, over ``--steps`` pairs, of a budgeted
+step's time over an unbudgeted one's, the two runs' steps alternating (so that drift between
+runs minutes apart does not enter the ratio). "plan s": the time to plan the budget (all
+paths, every round).
 
 Writes ``budget_pareto_<device>.md`` (the table) and ``.png`` (time against peak).
 """
@@ -142,36 +146,63 @@ def activation_bytes(trace) -> int:
     )
 
 
+class CoexecRun:
+    """A zoo model training under one tape, warmed up to co-execution."""
+
+    def __init__(self, name: str, batch: int, budget, key, device: str, offload: bool = False, arena: bool = True):
+        self.z = build(name, batch, device)
+        self.tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload, arena=arena)
+        self.device = device
+        for _ in range(4):  # trace, trace (momentum appears), covered, first co-executed
+            self.step()
+
+    def step(self) -> None:
+        with self.tape:
+            self.z.step()
+
+    def timed_step(self) -> float:
+        t0 = time.perf_counter()
+        self.step()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def result(self, times: list[float], busy: float) -> dict:
+        cuda_peak = peak_of(self.step, self.device) if self.device == "cuda" else None
+        s = self.tape.stats
+        plan = self.tape._program.budget_plan
+        return {
+            "seconds": statistics.median(times),
+            "busy": busy / len(times),
+            "peak": cuda_peak if cuda_peak is not None else s.peak_bytes,
+            "own count": s.peak_bytes,
+            "planned": s.planned_peak_bytes,
+            "recomputed": s.recomputed_ops,
+            "offloaded": s.offloaded_storages,
+            "predicted": plan.predicted_seconds if plan else None,
+            "plan s": plan.seconds if plan else None,
+            "trace": self.tape._program.paths[-1],
+        }
+
+
 def coexec_run(
-    name: str, batch: int, steps: int, budget, key, device: str, offload: bool = False, arena: bool = True
+    name: str, batch: int, steps: int, budget, key, device: str, offload: bool = False, arena: bool = True,
+    against: CoexecRun | None = None,
 ) -> dict:
-    z = build(name, batch, device)
-    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload, arena=arena)
-
-    def step():
-        with tape:
-            z.step()
-
-    for _ in range(4):  # trace, trace (momentum appears), covered, first co-executed
-        step()
-    busy0 = tape.stats.executor_seconds
-    seconds = median_seconds(step, steps)
-    busy = (tape.stats.executor_seconds - busy0) / steps
-    cuda_peak = peak_of(step, device) if device == "cuda" else None
-    s = tape.stats
-    plan = tape._program.budget_plan
-    return {
-        "seconds": seconds,
-        "busy": busy,
-        "peak": cuda_peak if cuda_peak is not None else s.peak_bytes,
-        "own count": s.peak_bytes,
-        "planned": s.planned_peak_bytes,
-        "recomputed": s.recomputed_ops,
-        "offloaded": s.offloaded_storages,
-        "predicted": plan.predicted_seconds if plan else None,
-        "plan s": plan.seconds if plan else None,
-        "trace": tape._program.paths[-1],
-    }
+    """Median step time and stats under ``budget``; with ``against`` (the unbudgeted run), its
+    steps alternate with this one's and ``"vs free"`` is the median of the paired ratios: the
+    overhead measured without the drift between two runs taken minutes apart."""
+    run = CoexecRun(name, batch, budget, key, device, offload, arena)
+    busy0 = run.tape.stats.executor_seconds
+    times, ratios = [], []
+    for _ in range(steps):
+        free = against.timed_step() if against is not None else None
+        times.append(run.timed_step())
+        if free is not None:
+            ratios.append(times[-1] / free)
+    out = run.result(times, run.tape.stats.executor_seconds - busy0)
+    out["vs free"] = statistics.median(ratios) if ratios else None
+    return out
 
 
 def smallest_budget(name: str, batch: int, device: str, offload: bool) -> int:
@@ -244,7 +275,8 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
                      "step ms": 1e3 * median_seconds(offloaded_step, steps)})  # fmt: skip
         rows.extend(compiled_rows(name, batch, steps, device))
     # under a budget the executor runs without the arena: budgets are compared with that
-    free = coexec_run(name, batch, steps, None, ("pareto", name, "free"), device, arena=False)
+    free_run = CoexecRun(name, batch, None, ("pareto", name, "free"), device, arena=False)
+    free = free_run.result([free_run.timed_step() for _ in range(steps)], 0.0)
     arena = coexec_run(name, batch, steps, None, ("pareto", name, "arena"), device)
     act = activation_bytes(free["trace"])
     for setting, r in (("no budget", free), ("no budget, arena", arena)):
@@ -257,12 +289,12 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
         budgets = [(label, b) for label, b in budgets if b >= low] + [("smallest feasible", low)]
         for label, b in budgets:
             print(f"  {method} at {label} ({b / MB:.2f} MB)", file=sys.stderr, flush=True)
-            r = coexec_run(name, batch, steps, b, ("pareto", name, label, offload), device, offload)
+            r = coexec_run(name, batch, steps, b, ("pareto", name, label, offload), device, offload, against=free_run)
             rows.append({"model": name, "method": method, "setting": f"{label}: {b / MB:.2f} MB",
                          "peak MB": r["peak"] / MB, "own MB": r["own count"] / MB, "planned MB": r["planned"] / MB,
                          "step ms": 1e3 * r["seconds"], "predicted ms": 1e3 * r["predicted"],
                          "executor ms": 1e3 * r["busy"], "plan s": r["plan s"],
-                         "vs no budget": r["seconds"] / free["seconds"], "recomputed ops": r["recomputed"],
+                         "vs no budget": r["vs free"], "recomputed ops": r["recomputed"],
                          "offloaded": r["offloaded"], "within": r["own count"] <= b})  # fmt: skip
     for r in rows:
         if "peak MB" in r:
