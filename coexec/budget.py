@@ -122,6 +122,12 @@ class BudgetPlan:
         )
 
 
+OFFLOAD_FLOOR_NOTE = (
+    "with offloading, the smallest budget moves slightly with the op and copy times each run "
+    "measures (a copy window may span one op more or less): leave some headroom"
+)
+
+
 def _lagged(g: PlanningGraph, lag: int) -> PlanningGraph:
     n = len(g)
     for s in g.storages.values():
@@ -154,7 +160,10 @@ def plan_program_budget(
         plans, drop_at, moved_at = _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth)
     except BudgetTooSmall as e:
         smallest = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, banned, bandwidth)
-        raise BudgetTooSmall(budget, smallest, e.detail) from None
+        detail = e.detail
+        if bandwidth is not None:  # copy windows come from timings: so does the floor, slightly
+            detail = "; ".join(filter(None, [detail, OFFLOAD_FLOOR_NOTE]))
+        raise BudgetTooSmall(budget, smallest, detail) from None
     out = BudgetPlan(budget, seconds=time.perf_counter() - t0)
     out.signatures = {tuple(p.keys) for p in paths}
     for path, plan in zip(paths, plans):

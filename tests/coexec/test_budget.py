@@ -59,6 +59,20 @@ def run_within(make, step, steps, budget, key, offload=None):
     return losses, [t.detach().clone() for t in tensors_of(state)], tape, peaks
 
 
+def run_at_floor(make, step, steps, budget, key, offload=None):
+    """``run_within`` at a smallest budget found by an earlier run: with offloading, copy
+    windows come from the times each run measures, and so does the floor, which may move
+    slightly (the error says so); recomputation alone must not move it. Returns the budget run
+    at, then what ``run_within`` returns."""
+    for attempt in range(3):
+        try:
+            return (budget, *run_within(make, step, steps, budget, (key, attempt), offload))
+        except BudgetTooSmall as e:
+            assert offload and "leave some headroom" in str(e) and e.smallest <= 1.01 * budget, e
+            budget = e.smallest
+    raise AssertionError("the smallest budget kept moving")
+
+
 def smallest_budget(make, step, steps, key, offload=None):
     """The smallest feasible budget, as the error names it (raising it path by path)."""
     budget = 1
@@ -141,7 +155,8 @@ def test_offloading_lowers_the_smallest_budget_and_parks_activations_bit_equal()
     remat_only = smallest_budget(make, step, 6, "budget-remat-only", offload=False)
     budget = smallest_budget(make, step, 6, "budget-offload", offload=True)
     assert budget < remat_only
-    losses, state, tape, peaks = run_within(make, step, 6, budget, "budget-offload-run", offload=True)
+    budget, losses, state, tape, peaks = run_at_floor(make, step, 6, budget, "budget-offload-run", offload=True)
+    assert budget < remat_only
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
     assert len(peaks) >= 2 and max(peaks) <= budget

@@ -13,7 +13,7 @@ from examples.models import ZOO
 from examples.programs import PROGRAMS
 from tests.coexec.helpers import run
 from tracegraph.schema import schema_of
-from tests.coexec.test_budget import run_within, smallest_budget
+from tests.coexec.test_budget import run_at_floor, smallest_budget
 
 
 def has_dynamic_shapes(tape) -> bool:
@@ -23,7 +23,7 @@ def has_dynamic_shapes(tape) -> bool:
 def check_at_smallest_budget(make, step, steps, key, offload=None):
     eager_losses, eager_state, _ = run(make, step, steps, False)
     budget = smallest_budget(make, step, steps, key, offload)
-    losses, state, tape, peaks = run_within(make, step, steps, budget, (key, "final"), offload)
+    budget, losses, state, tape, peaks = run_at_floor(make, step, steps, budget, (key, "final"), offload)
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
     if has_dynamic_shapes(tape):
