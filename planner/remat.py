@@ -760,6 +760,10 @@ def min_feasible_budget_paths(
     offs = _allowed_offloads(paths, bandwidth, set(banned))
     everything = {p.key(c.op) for p, cs in zip(paths, per) for c in cs}
     options = [set()]
+    if any(offs):  # the recompute-only floor first: offloading starts from it, never above it
+        spent = time.perf_counter()
+        options.append(min_feasible_budget_paths(paths, time_limit / 3, banned)[1])
+        time_limit -= time.perf_counter() - spent
     if everything or any(offs):
         model = _Model(paths, per, offs)
         if model.chain_span is None:  # (else it breaks the model's cap, and replays slowly)
