@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,19 @@ def executor() -> Executor:
     with _lock:
         if _executor is None:
             _executor = Executor()
+            atexit.register(_stop_at_exit)
         return _executor
+
+
+def _stop_at_exit() -> None:
+    """Let the executor finish and stop before the interpreter tears down: a thread still in
+    torch while C++ statics are destroyed aborts the process ("terminate called without an
+    active exception", exit status 134; seen in about 4 of 10 exits after a budgeted step)."""
+    if _executor is not None:
+        _executor.close(timeout=EXIT_TIMEOUT)
+
+
+EXIT_TIMEOUT = 10.0  # seconds the interpreter's exit waits for the executor's last work
 
 
 def active_skeleton() -> "Skeleton | None":

@@ -544,5 +544,8 @@ class Executor:
         self.submit(fault)
         return fault
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.0) -> None:
+        """Stop the thread after what it was given; wait up to ``timeout`` seconds for that."""
         self._w.q.put(_STOP)
+        if timeout > 0:
+            self._w.thread.join(timeout)
