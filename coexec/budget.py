@@ -115,17 +115,11 @@ class BudgetPlan:
         methods = sorted({p.plan.method for p in self.paths})
         return (
             f"memory budget {format_bytes(self.budget)}: planned peak {format_bytes(self.planned_peak)} "
-            f"over {len(self.paths)} path(s), {len({k for ks in self.drop_after.values() for k in ks})} "
+            f"over {len(self.paths)} path(s), {len(self.recipe_keys)} "
             f"storages recomputed (+{1e3 * self.recompute_seconds:.1f} ms), {len(self.offload_keys)} "
             f"offloaded; predicted step {1e3 * self.predicted_seconds:.1f} ms; planned in "
             f"{self.seconds:.1f} s ({', '.join(methods)})"
         )
-
-
-OFFLOAD_FLOOR_NOTE = (
-    "with offloading, the smallest budget moves slightly with the op and copy times each run "
-    "measures (a copy window may span one op more or less): leave some headroom"
-)
 
 
 def _lagged(g: PlanningGraph, lag: int) -> PlanningGraph:
@@ -160,10 +154,7 @@ def plan_program_budget(
         plans, drop_at, moved_at = _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth)
     except BudgetTooSmall as e:
         smallest = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, banned, bandwidth)
-        detail = e.detail
-        if bandwidth is not None:  # copy windows come from timings: so does the floor, slightly
-            detail = "; ".join(filter(None, [detail, OFFLOAD_FLOOR_NOTE]))
-        raise BudgetTooSmall(budget, smallest, detail) from None
+        raise BudgetTooSmall(budget, smallest, e.detail) from None
     out = BudgetPlan(budget, seconds=time.perf_counter() - t0)
     out.signatures = {tuple(p.keys) for p in paths}
     for path, plan in zip(paths, plans):

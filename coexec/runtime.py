@@ -15,6 +15,7 @@ from .placeholder import Placeholder
 if TYPE_CHECKING:
     from .skeleton import Session, Skeleton
 
+EXIT_TIMEOUT = 10.0  # seconds the interpreter's exit waits for the executor's last work
 _lock = threading.Lock()
 _executor: Executor | None = None
 _local = threading.local()  # .skeleton: the skeleton running in this thread, if any
@@ -37,9 +38,6 @@ def _stop_at_exit() -> None:
     active exception", exit status 134; seen in about 4 of 10 exits after a budgeted step)."""
     if _executor is not None:
         _executor.close(timeout=EXIT_TIMEOUT)
-
-
-EXIT_TIMEOUT = 10.0  # seconds the interpreter's exit waits for the executor's last work
 
 
 def active_skeleton() -> "Skeleton | None":

@@ -489,7 +489,7 @@ class _Step:
             print(f"coexec [{self.program.where}]: {msg}", file=sys.stderr)
 
     def _log_budget(self) -> None:
-        if self.program.budget_plan is not None:
+        if self.tape.debug and self.program.budget_plan is not None:
             self._log(self.program.budget_plan.summary())
 
 

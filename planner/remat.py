@@ -50,6 +50,11 @@ MIN_SPAN = 8
 # memory rows list every storage in play at a position (the strongest form for the solver)
 # while that takes at most this many terms in all; past it, a running sum per position
 MAX_DENSE_TERMS = 300_000
+# with offloading, the floor a BudgetTooSmall names rests on measured times: say so
+OFFLOAD_FLOOR_NOTE = (
+    "with offloading, the smallest budget moves slightly with the op and copy times each run "
+    "measures (a copy window may span one op more or less): leave some headroom"
+)
 MICROSECOND = 1e-6  # cost unit of the CP-SAT objective; every recomputation costs at least one
 # an offload costs no compute when its copies overlap (the channel rows see to that): one unit,
 # so that storages are parked only when the budget needs it
@@ -758,33 +763,30 @@ def min_feasible_budget_paths(
     (then lowest among plans within the cap)."""
     per = _allowed_candidates(paths, set(banned))
     offs = _allowed_offloads(paths, bandwidth, set(banned))
+
+    def peak_of(keys: set) -> int:
+        return max(r.peak for r in _replays(paths, per, offs, keys))
+
     everything = {p.key(c.op) for p, cs in zip(paths, per) for c in cs}
     options = [set()]
     if any(offs):  # the recompute-only floor first: offloading starts from it, never above it
         spent = time.perf_counter()
         options.append(min_feasible_budget_paths(paths, time_limit / 3, banned)[1])
         time_limit -= time.perf_counter() - spent
-    if everything or any(offs):
-        model = _Model(paths, per, offs)
-        if model.chain_span is None:  # (else it breaks the model's cap, and replays slowly)
-            options.append(everything)
-        else:  # checkpoints every k candidates: a start for the solver on large graphs
-            options += _periodic(paths, per, model.chain_span)
-        peaks = {id(o): max(r.peak for r in _replays(paths, per, offs, o)) for o in options}
-        hint = min(options, key=lambda o: peaks[id(o)])
+    model = _Model(paths, per, offs) if everything or any(offs) else None
+    if model is not None:  # all drops breaks a capped model (and replays slowly): checkpoints then
+        options += [everything] if model.chain_span is None else _periodic(paths, per, model.chain_span)
+    scored = [(peak_of(o), o) for o in options]
+    if model is not None:
         top = max((base + most for base, _, most in model.rows), default=0)
         peak = model.model.NewIntVar(0, top, "peak")
         for base, level, _ in model.rows:
             model.model.Add(base + level <= peak)
         model.model.Minimize(peak)
-        _solver, _status, chosen = model.solve(time_limit, hint)
+        _solver, _status, chosen = model.solve(time_limit, min(scored, key=lambda s: s[0])[1])
         if chosen is not None:
-            options.append(chosen)
-            peaks[id(chosen)] = max(r.peak for r in _replays(paths, per, offs, chosen))
-    else:
-        peaks = {id(options[0]): max(r.peak for r in _replays(paths, per, offs, options[0]))}
-    best = min(options, key=lambda o: (peaks[id(o)], len(o)))
-    return peaks[id(best)], best
+            scored.append((peak_of(chosen), chosen))
+    return min(scored, key=lambda s: (s[0], len(s[1])))
 
 
 def _periodic(paths: list[RematPath], per: list[list[Candidate]], span: int) -> list[set]:
@@ -829,9 +831,11 @@ def plan_remat_paths(
     per = _allowed_candidates(paths, set(banned))
     offs = _allowed_offloads(paths, bandwidth, set(banned))
 
-    def too_small(detail: str = "") -> BudgetTooSmall:
-        smallest, _ = min_feasible_budget_paths(paths, max(1.0, time_limit / 2), banned, bandwidth)
-        return BudgetTooSmall(budget, smallest, detail)
+    def lowest() -> tuple[int, set]:
+        return min_feasible_budget_paths(paths, max(1.0, time_limit / 2), banned, bandwidth)
+
+    def too_small(smallest: int) -> BudgetTooSmall:
+        return BudgetTooSmall(budget, smallest, OFFLOAD_FLOOR_NOTE if bandwidth is not None else "")
 
     warm: set | None = set()
     for p, cands in zip(paths, per):
@@ -841,7 +845,7 @@ def plan_remat_paths(
         warm = None
     model = _Model(paths, per, offs)
     if not model.decisions or not model.fit(budget):
-        raise too_small()
+        raise too_small(lowest()[0])
     model.model.Minimize(sum(model.cost[k] * var for k, var in model.decisions.items()))
     solver, status, found = model.solve(time_limit - (time.perf_counter() - t0), warm)
     method, gap, chosen = "greedy", None, warm
@@ -853,14 +857,14 @@ def plan_remat_paths(
         obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
         gap = 0.0 if status == model.cp.OPTIMAL else (obj - bound) / obj if obj else 0.0
     elif status == model.cp.INFEASIBLE and model.chain_span is None:  # (a capped model proves less)
-        raise too_small()
+        raise too_small(lowest()[0])
     if chosen is None:
         # no plan found in time: the plan of the lowest peak serves if it fits (near the
         # smallest feasible budget it is the only kind there is)
-        smallest, lowest = min_feasible_budget_paths(paths, max(1.0, time_limit / 2), banned, bandwidth)
+        smallest, keys = lowest()
         if smallest > budget:
-            raise BudgetTooSmall(budget, smallest)
-        method, chosen = "lowest-peak", lowest
+            raise too_small(smallest)
+        method, chosen = "lowest-peak", keys
     plans = []
     spent = time.perf_counter() - t0
     for p, cands, os, base in zip(paths, per, offs, bases):

@@ -137,3 +137,12 @@ def test_predicted_time_counts_recomputation_and_waits_for_slow_copies():
     slow = offload_candidates(g, order, BW)[0].__class__(**{**o.__dict__, "out_seconds": 4e-6, "in_seconds": 4e-6})
     seconds, stalled = predict_seconds(g, order, {}, [slow])
     assert stalled == pytest.approx(6e-6) and seconds == pytest.approx(15e-6)
+
+
+def test_a_budget_too_small_with_offloading_says_its_floor_rests_on_measured_times():
+    g, order = timed_ladder()
+    with pytest.raises(BudgetTooSmall, match="leave some headroom"):
+        plan_remat(g, 1, order, bandwidth=BW)
+    with pytest.raises(BudgetTooSmall) as err:
+        plan_remat(g, 1, order)
+    assert "headroom" not in str(err.value)
