@@ -33,7 +33,6 @@ from planner.remat import (
     offload_key,
     offload_window,
     plan_remat_paths,
-    remat_replay,
 )
 from tracegraph import Trace, TraceGraph
 
@@ -181,10 +180,9 @@ def _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth):
         owner: dict[Hashable, Hashable] = {}  # storage key -> key of the decision about it
         moved_at: dict[Hashable, set] = {}  # storage key -> (after which ops it moves, size)s
         for path, skeys, plan in zip(paths, storage_keys, plans):
-            rep = remat_replay(path.g, path.order, plan.dropped, plan.offloaded)
             for c in plan.dropped:
                 for sid in c.storages:
-                    early_end = rep.segments[sid][0][1]
+                    early_end = plan.segments[sid][0][1]
                     drop_at.setdefault(skeys[sid], set()).add(path.key(path.order[early_end]))
                     owner[skeys[sid]] = path.key(c.op)
             for o in plan.offloaded:

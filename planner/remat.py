@@ -123,6 +123,7 @@ class RematPlan:
     offloaded: list[OffloadCandidate] = field(default_factory=list)  # storages parked on the host
     predicted_seconds: float = 0.0  # the step with recomputation and copies (predict_seconds)
     stall_seconds: float = 0.0  # of which waiting for copies
+    segments: dict = field(default_factory=dict)  # the replay's: sid -> its stretches on the device
 
     @property
     def optimal(self) -> bool:
@@ -825,9 +826,12 @@ def plan_remat_paths(
     if all(b.peak <= budget for b in bases):
         spent = time.perf_counter() - t0
         return [
-            RematPlan(p.order, [], b.peak, b.peak, budget, 0.0, "none", spent, 0.0, [], *predict(p.g, p.order, [], []))
+            RematPlan(
+                p.order, [], b.peak, b.peak, budget, 0.0, "none", spent, 0.0, [], *predict(p.g, p.order, [], []),
+                b.segments,
+            )
             for p, b in zip(paths, bases)
-        ]
+        ]  # fmt: skip
     per = _allowed_candidates(paths, set(banned))
     offs = _allowed_offloads(paths, bandwidth, set(banned))
 
@@ -874,7 +878,7 @@ def plan_remat_paths(
         plans.append(
             RematPlan(
                 p.order, dropped, rep.peak, base.peak, budget, rep.extra_seconds, method, spent, gap,
-                offloaded, *predict(p.g, p.order, dropped, offloaded),
+                offloaded, *predict(p.g, p.order, dropped, offloaded), rep.segments,
             )
         )  # fmt: skip
     return plans
