@@ -7,13 +7,14 @@ Per zoo model, one SGD training step measured as
 * ``eager``: PyTorch as is;
 * ``checkpoint k``: ``torch.utils.checkpoint.checkpoint_sequential`` over the model's chain of
   modules cut into ``k`` segments, for every ``k`` (non-reentrant);
-* ``coexec``: co-executed without a budget (with and without the arena: a budget turns the
-  arena off, so "vs no budget" is relative to the run without it), then with ``memory_budget``
-  set so that the
+* ``coexec``: co-executed without a budget (without the arena, as budgets run by default, and
+  with it), then with ``memory_budget`` set so that the
   activation memory (bytes made in the forward pass and still held when the backward starts,
   from the step's planning graph) is 75%, 50%, 25% of the unbudgeted one, and at the smallest
   feasible budget (the figure ``BudgetTooSmall`` names); recomputation only
-  (``offload=False``), then recomputation and offloading (``offload=True``);
+  (``offload=False``), then recomputation and offloading (``offload=True``), then
+  ``coexec+arena``: recomputation with the arena planned jointly (``arena=True``; at 50% and
+  at its smallest budget only, as it plans slowly);
 * on ``--device cuda`` also ``torch.compile`` with
   ``torch._functorch.config.activation_memory_budget`` at 1.0, 0.5, 0.25 and
   ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (on a CPU there is no device memory to
@@ -21,8 +22,9 @@ Per zoo model, one SGD training step measured as
 
 Peaks are resident bytes, persistent state included. On a CPU: for eager and checkpointing the
 largest sum of live storages seen by a dispatch-mode tracker (``planner.tracker``), for coexec
-the executor's count of its live storages plus the persistent state (``TapeStats.peak_bytes``),
-next to the plan's prediction. On CUDA: ``torch.cuda.max_memory_allocated`` for every method
+the executor's count of its live storages plus the persistent state (``TapeStats.peak_bytes``;
+the arena counts whole, "arena MB", and values in it are not counted again), next to the
+plan's prediction. On CUDA: ``torch.cuda.max_memory_allocated`` for every method
 (coexec's own count beside it). Step times are medians over ``--steps`` steps after warm-up
 (synchronised on CUDA); "predicted ms" is the plan's step time (op times, recomputation and
 waits for copies, ``planner.offload.predict_seconds``) next to coexec's measured one and to the
@@ -149,7 +151,7 @@ def activation_bytes(trace) -> int:
 class CoexecRun:
     """A zoo model training under one tape, warmed up to co-execution."""
 
-    def __init__(self, name: str, batch: int, budget, key, device: str, offload: bool = False, arena: bool = True):
+    def __init__(self, name: str, batch: int, budget, key, device: str, offload: bool = False, arena: bool | None = None):
         self.z = build(name, batch, device)
         self.tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload, arena=arena)
         self.device = device
@@ -181,12 +183,13 @@ class CoexecRun:
             "offloaded": s.offloaded_storages,
             "predicted": plan.predicted_seconds if plan else None,
             "plan s": plan.seconds if plan else None,
+            "arena": self.tape._program.arena.numel() if self.tape._program.arena is not None else 0,
             "trace": self.tape._program.paths[-1],
         }
 
 
 def coexec_run(
-    name: str, batch: int, steps: int, budget, key, device: str, offload: bool = False, arena: bool = True,
+    name: str, batch: int, steps: int, budget, key, device: str, offload: bool = False, arena: bool | None = None,
     against: CoexecRun | None = None,
 ) -> dict:
     """Median step time and stats under ``budget``; with ``against`` (the unbudgeted run), its
@@ -205,11 +208,11 @@ def coexec_run(
     return out
 
 
-def smallest_budget(name: str, batch: int, device: str, offload: bool) -> int:
+def smallest_budget(name: str, batch: int, device: str, offload: bool, arena: bool | None = None) -> int:
     budget = 1
     for attempt in range(5):
         try:
-            coexec_run(name, batch, 1, budget, ("pareto-min", name, offload, attempt), device, offload)
+            coexec_run(name, batch, 1, budget, ("pareto-min", name, offload, arena, attempt), device, offload, arena)
             return budget
         except coexec.BudgetTooSmall as e:
             budget = e.smallest
@@ -274,25 +277,27 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
                      "peak MB": peak_of(offloaded_step, device) / MB,
                      "step ms": 1e3 * median_seconds(offloaded_step, steps)})  # fmt: skip
         rows.extend(compiled_rows(name, batch, steps, device))
-    # under a budget the executor runs without the arena: budgets are compared with that
+    # budgets run without the arena by default: they are compared with the run without one
     free_run = CoexecRun(name, batch, None, ("pareto", name, "free"), device, arena=False)
     free = free_run.result([free_run.timed_step() for _ in range(steps)], 0.0)
     arena = coexec_run(name, batch, steps, None, ("pareto", name, "arena"), device)
     act = activation_bytes(free["trace"])
     for setting, r in (("no budget", free), ("no budget, arena", arena)):
         rows.append({"model": name, "method": "coexec", "setting": setting, "peak MB": r["peak"] / MB,
-                     "own MB": r["own count"] / MB, "step ms": 1e3 * r["seconds"]})  # fmt: skip
-    for offload in (False, True):
-        method = "coexec+offload" if offload else "coexec"
-        low = smallest_budget(name, batch, device, offload)
+                     "own MB": r["own count"] / MB, "arena MB": r["arena"] / MB, "step ms": 1e3 * r["seconds"]})  # fmt: skip
+    for offload, with_arena in ((False, None), (True, None), (False, True)):
+        method = "coexec+offload" if offload else "coexec+arena" if with_arena else "coexec"
+        low = smallest_budget(name, batch, device, offload, with_arena)
         budgets = [(f"act {int(f * 100)}%", int(free["own count"] - (1 - f) * act)) for f in (0.75, 0.5, 0.25)]
         budgets = [(label, b) for label, b in budgets if b >= low] + [("smallest feasible", low)]
+        if with_arena:  # the joint plan is slow: its middle point and its floor
+            budgets = [(label, b) for label, b in budgets if label in ("act 50%", "smallest feasible")]
         for label, b in budgets:
             print(f"  {method} at {label} ({b / MB:.2f} MB)", file=sys.stderr, flush=True)
             for attempt in range(3):
                 try:
-                    r = coexec_run(name, batch, steps, b, ("pareto", name, label, offload, attempt), device, offload,
-                                   against=free_run)  # fmt: skip
+                    r = coexec_run(name, batch, steps, b, ("pareto", name, label, offload, with_arena, attempt), device,
+                                   offload, with_arena, against=free_run)  # fmt: skip
                     break
                 except coexec.BudgetTooSmall as e:
                     # with offloading the floor moves with the op and copy times this run measured
@@ -302,6 +307,7 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
                 raise RuntimeError(f"{name}: no feasible budget settled near {b}")
             rows.append({"model": name, "method": method, "setting": f"{label}: {b / MB:.2f} MB",
                          "peak MB": r["peak"] / MB, "own MB": r["own count"] / MB, "planned MB": r["planned"] / MB,
+                         "arena MB": r["arena"] / MB,
                          "step ms": 1e3 * r["seconds"], "predicted ms": 1e3 * r["predicted"],
                          "executor ms": 1e3 * r["busy"], "plan s": r["plan s"],
                          "vs no budget": r["vs free"], "recomputed ops": r["recomputed"],
@@ -313,7 +319,7 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
     return rows
 
 
-COLUMNS = ["model", "method", "setting", "peak MB", "own MB", "planned MB", "peak vs eager", "step ms",
+COLUMNS = ["model", "method", "setting", "peak MB", "own MB", "planned MB", "arena MB", "peak vs eager", "step ms",
            "predicted ms", "executor ms", "time vs eager", "vs no budget", "recomputed ops", "offloaded", "within", "plan s"]  # fmt: skip
 
 
@@ -325,7 +331,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models):
         for method, style in (("eager", "ks"), ("checkpoint_sequential", "o--"), ("coexec", "^-"),
-                              ("coexec+offload", "v-"), ("torch.compile", "D:"), ("save_on_cpu", "P")):  # fmt: skip
+                              ("coexec+offload", "v-"), ("coexec+arena", "x-"), ("torch.compile", "D:"),
+                              ("save_on_cpu", "P")):  # fmt: skip
             sel = sorted(
                 (r for r in rows if r["model"] == model and r["method"] == method and "peak MB" in r),
                 key=lambda r: r["peak MB"],

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from planner import PlanningGraph
+from executor import writes_in_place
+from planner import LOCAL, PlanningGraph
 from planner.arena import ArenaPlan, plan_arena
 from tracegraph import Cursor, Fetch, Trace, TraceGraph
 from tracegraph.structure import in_order
@@ -46,19 +47,46 @@ def path_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> tuple[dict[i
     return keys, op_keys
 
 
-def storage_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> dict[int, Hashable]:
-    """Key of every storage the trace allocates."""
-    return path_keys(graph, trace, g)[0]
-
-
 def plan_program_arena(graph: TraceGraph, traces: list[Trace]) -> ArenaPlan | None:
+    """The arena over every observed path for the storages ops will write in place."""
     paths = []
     for t in traces:
         g = PlanningGraph.from_trace(t)
-        paths.append((g, storage_keys(graph, t, g)))
+        ok = placeable_storages(g, t)
+        paths.append((g, {sid: k for sid, k in path_keys(graph, t, g)[0].items() if sid in ok}))
     if not paths:
         return None
     return plan_arena(paths)
+
+
+_PROBED: dict = {}  # (func, attrs, input metas, output metas) -> probe_out_variant's answer
+
+
+def placeable_storages(g: PlanningGraph, trace: Trace) -> set[int]:
+    """Local storages the skeleton will ask the executor to write in place into the arena:
+    made by an op with an ``out=`` variant whose every output is a fresh storage
+    (coexec/skeleton.py, ``_arena_out``), and which writes them as planned: not known to lay
+    them out otherwise, and tried once per op key on stand-in values
+    (:func:`coexec.arena.probe_out_variant`)."""
+    values = trace.values
+    out = set()
+    for rec, op in zip(trace.ops, g.ops):
+        made = [values[v].storage for v in rec.outputs]
+        if not made or len(set(made)) != len(made) or not set(made) <= set(op.allocates):
+            continue
+        if not all(g.storages[sid].kind == LOCAL for sid in made):
+            continue
+        ov = out_variant(rec.func)
+        if ov is None or writes_in_place(ov[0]) is False:
+            continue
+        metas = tuple(values[v].meta for v in rec.outputs)
+        key = (rec.func, rec.key.attrs, rec.key.metas, metas)
+        ok = _PROBED.get(key)
+        if ok is None:
+            ok = _PROBED[key] = probe_out_variant(rec.func, rec.key.attrs, rec.key.metas, metas)
+        if ok:
+            out.update(made)
+    return out
 
 
 _OUT_VARIANTS: dict[Any, Any] = {}
@@ -99,3 +127,71 @@ def is_arena_backed(t: torch.Tensor, arena: torch.Tensor | None) -> bool:
         return False
     base = arena.data_ptr()
     return base <= p < base + arena.numel()
+
+
+class _Unknown(Exception):
+    """An argument that cannot be rebuilt from its hashable stand-in."""
+
+
+def _unhash(v: Any) -> Any:
+    """The argument :func:`tracegraph.schema.hashable` stood in for (numbers, lists)."""
+    if type(v) is tuple:
+        if len(v) == 2 and v[0] in (int, float, bool):
+            return v[1]
+        if len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], str):
+            raise _Unknown(v)  # a generator or an object known only by its repr
+        return [_unhash(x) for x in v]
+    return v
+
+
+def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> bool:
+    """Does ``func``'s ``out=`` variant write outputs laid out as ``outs`` (their metas)
+    without ever needing more bytes than they hold (as arena regions, which cannot grow)? Tried once on stand-in values (ones, zeros for
+    integers: valid indices) of the recorded shapes on the CPU, the RNG state kept, so that a
+    plan can tell which storages will really live in the arena before any step runs: some
+    kernels resize their output on the way (``mse_loss.out`` computes elementwise into it)."""
+    from tracegraph.schema import DEFAULT, TENSOR_ARG, schema_of
+
+    ov = out_variant(func)
+    if ov is None:
+        return False
+    out_func, names = ov
+    sch = schema_of(func)
+    tensors = iter(metas)
+
+    def stand_in(m: Any) -> torch.Tensor:
+        t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
+        return t.zero_() if not (m.dtype.is_floating_point or m.dtype.is_complex) else t.fill_(1)
+
+    try:
+        kwargs = {}
+        for name, attr in zip(sch.arg_names, attrs):
+            if attr is DEFAULT:
+                continue
+            if attr is TENSOR_ARG:
+                v = stand_in(next(tensors))
+            elif type(attr) is tuple and any(x is TENSOR_ARG for x in attr):
+                v = [stand_in(next(tensors)) if x is TENSOR_ARG else _unhash(x) for x in attr]
+            else:
+                v = _unhash(attr)
+            kwargs[name] = v
+        if any(m.device.type != "cpu" for m in (*metas, *outs)):
+            return False
+        fixed = [torch.empty(0, dtype=m.dtype) for m in outs]  # grown by the kernel, no warning
+        kwargs.update(zip(names, fixed))
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            out_func(**kwargs)
+    except (_Unknown, RuntimeError, TypeError, ValueError, IndexError):
+        return False
+    # as planned, and never larger on the way: an arena region cannot grow
+    return all(
+        tuple(f.shape) == tuple(m.shape) and tuple(f.stride()) == tuple(m.stride)
+        and f.untyped_storage().nbytes() <= max(m.dtype.itemsize, _span(m))
+        for f, m in zip(fixed, outs)
+    )  # fmt: skip
+
+
+def _span(m: Any) -> int:
+    if any(s == 0 for s in m.shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride))) * m.dtype.itemsize

@@ -24,6 +24,7 @@ import torch
 
 from executor import Offload, Prefetch, Wait
 from planner import PlanningGraph
+from planner.arena import ArenaPlan, plan_arena
 from planner.offload import Bandwidth
 from planner.remat import (
     BudgetTooSmall,
@@ -33,14 +34,18 @@ from planner.remat import (
     offload_key,
     offload_window,
     plan_remat_paths,
+    split_peaks,
 )
 from tracegraph import Trace, TraceGraph
 
-from .arena import path_keys
+from .arena import path_keys, placeable_storages
 
 # the skeleton sweeps for dead placeholders every SWEEP_LAG submissions under a budget, so a
 # value may outlive its tensor by that many ops: the plan counts it
 SWEEP_LAG = 4
+# plans with an arena: how often the budget the storages are planned to is lowered by what the
+# arena's fragmentation and the storages outside it add, before the smallest plan is tried
+ARENA_ROUNDS = 4
 
 _UNITS = {
     "": 1, "b": 1,
@@ -91,6 +96,11 @@ class BudgetPlan:
     moves_after: dict = field(default_factory=dict)
     host_bytes: int = 0  # the host pool: every offloaded storage has its own slice
     seconds: float = 0.0  # planning time, every path and every round of bans included
+    # the arena every path's planned storages are placed in (None: all from the allocator),
+    # and the device bytes the plan then holds at its peak on the worst path: persistent
+    # state, the whole arena, and the storages outside it
+    arena: ArenaPlan | None = None
+    arena_bound: int | None = None
 
     @property
     def offload_keys(self) -> set:
@@ -103,6 +113,8 @@ class BudgetPlan:
 
     @property
     def planned_peak(self) -> int:
+        if self.arena_bound is not None:
+            return self.arena_bound
         return max((p.plan.peak for p in self.paths), default=0)
 
     @property
@@ -116,9 +128,15 @@ class BudgetPlan:
             f"memory budget {format_bytes(self.budget)}: planned peak {format_bytes(self.planned_peak)} "
             f"over {len(self.paths)} path(s), {len(self.recipe_keys)} "
             f"storages recomputed (+{1e3 * self.recompute_seconds:.1f} ms), {len(self.offload_keys)} "
-            f"offloaded; predicted step {1e3 * self.predicted_seconds:.1f} ms; planned in "
+            f"offloaded; {self._arena_words()}predicted step {1e3 * self.predicted_seconds:.1f} ms; planned in "
             f"{self.seconds:.1f} s ({', '.join(methods)})"
         )
+
+
+    def _arena_words(self) -> str:
+        if self.arena is None:
+            return ""
+        return f"arena {format_bytes(self.arena.arena_bytes)} ({100 * self.arena.fragmentation:.1f}% fragmentation); "
 
 
 def _lagged(g: PlanningGraph, lag: int) -> PlanningGraph:
@@ -135,11 +153,16 @@ def plan_program_budget(
     budget: int,
     time_limit: float = 30.0,
     bandwidth: Bandwidth | None = None,
+    arena: bool = False,
 ) -> BudgetPlan:
     """Plan every path to ``budget`` jointly (one decision per op key; offloading too, given
     the copy ``bandwidth``); raises :class:`BudgetTooSmall` if no plan meets it. Where paths
     would free a dropped storage, or move an offloaded one, after different ops, that decision
-    is banned and the paths are planned again."""
+    is banned and the paths are planned again. With ``arena``, the storages that ops can write
+    in place get one offset each in an arena over every path, from their residency stretches
+    (a recomputed or copied-back storage returns to its bytes), and the budget covers the
+    whole arena plus the storages outside it: where fragmentation pushes that over, the
+    storages are planned to a lower budget."""
     t0 = time.perf_counter()
     paths, storage_keys = [], []
     for trace in traces:
@@ -148,13 +171,45 @@ def plan_program_budget(
         paths.append(RematPath(g, list(range(len(g))), op_keys))
         storage_keys.append(skeys)
     _fill_from_traced(paths, storage_keys, traces)
+    placeable = None
+    if arena:  # planned jointly: the solver sizes the arena (coexec/arena.py places it)
+        placeable = [placeable_storages(p.g, t) for p, t in zip(paths, traces)]
+        for p, ok in zip(paths, placeable):
+            p.placed = frozenset(ok)
     banned: set = set()
+
+    def fit(b: int) -> tuple:
+        """Plans, with their arena and its bound, that meet budget ``b``, or BudgetTooSmall."""
+        target = b
+        for _ in range(ARENA_ROUNDS if arena else 1):
+            agreed = _agreed_plans(paths, storage_keys, target, time_limit, banned, bandwidth)
+            if not arena:
+                return agreed, (None, None)
+            arena_plan, bound = _place(paths, storage_keys, agreed[0], placeable)
+            if bound <= b:
+                return agreed, (arena_plan, bound)
+            target -= 2 * (bound - b)  # what placement added (fragmentation): plan tighter, with room
+        raise BudgetTooSmall(b, b + 1)
+
     try:
-        plans, drop_at, moved_at = _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth)
+        (plans, drop_at, moved_at), (arena_plan, bound) = fit(budget)
     except BudgetTooSmall as e:
-        smallest = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, banned, bandwidth)
-        raise BudgetTooSmall(budget, smallest, e.detail) from None
-    out = BudgetPlan(budget, seconds=time.perf_counter() - t0)
+        smallest, floor = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, banned, bandwidth)
+        if not arena or floor is None:
+            raise BudgetTooSmall(budget, smallest, e.detail) from None
+        # the plan reaching the storages' smallest bound (the solver sized the arena with
+        # them), placed: a budget of the bound it then needs (alignment, fragmentation) plans,
+        # with this plan
+        (plans, drop_at, moved_at), (arena_plan, bound) = floor, _place(paths, storage_keys, floor[0], placeable)
+        if bound > budget:
+            detail = (
+                f"with the arena ({format_bytes(arena_plan.arena_bytes)}, "
+                f"{100 * arena_plan.fragmentation:.1f}% fragmentation) and the storages outside it; "
+                "how tightly the arena packs varies a little between plans: leave some headroom"
+            )
+            detail = f"{e.detail}; {detail}" if e.detail else detail
+            raise BudgetTooSmall(budget, bound, detail) from None
+    out = BudgetPlan(budget, seconds=time.perf_counter() - t0, arena=arena_plan, arena_bound=bound)
     out.signatures = {tuple(p.keys) for p in paths}
     for path, plan in zip(paths, plans):
         out.paths.append(PathBudget(plan, path.g.persistent_bytes))
@@ -168,6 +223,19 @@ def plan_program_budget(
             out.moves_after.setdefault(op_key, []).append((kind, key, out.host_bytes))
         out.host_bytes += -(-nbytes // 512) * 512  # slices aligned for fast copies
     return out
+
+
+def _place(paths: list[RematPath], storage_keys: list[dict], plans: list[RematPlan], placeable: list[set]):
+    """The arena for ``plans`` (placeable storages at one offset each, over their residency
+    stretches on every path) and the device bytes at the worst path's peak: persistent state,
+    the whole arena, and what lies outside it (other storages, op workspace)."""
+    keyed = [{sid: k for sid, k in skeys.items() if sid in ok} for skeys, ok in zip(storage_keys, placeable)]
+    arena = plan_arena([(p.g, keys) for p, keys in zip(paths, keyed)], stretches=[pl.segments for pl in plans])
+    bound = 0
+    for p, keys, plan in zip(paths, keyed, plans):
+        _inside, outside = split_peaks(p.g, p.order, plan.segments, frozenset(keys))
+        bound = max(bound, plan.peak, p.g.persistent_bytes + arena.arena_bytes + outside)
+    return arena, bound
 
 
 def _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth):
@@ -194,17 +262,16 @@ def _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth):
         banned |= conflicts
 
 
-def _agreed_smallest(paths, storage_keys, smallest, time_limit, banned, bandwidth) -> int:
-    """The smallest budget for which :func:`_agreed_plans` succeeds: the solver's smallest
-    peak, raised while the decisions reaching it disagree between paths (each round bans
-    more), so that the budget an error names is one that really plans."""
+def _agreed_smallest(paths, storage_keys, smallest, time_limit, banned, bandwidth) -> tuple[int, tuple | None]:
+    """The smallest budget for which :func:`_agreed_plans` succeeds, and what it returns
+    there: the solver's smallest peak, raised while the decisions reaching it disagree between
+    paths (each round bans more), so that the budget an error names is one that really plans."""
     for _ in range(20):
         try:
-            _agreed_plans(paths, storage_keys, smallest, time_limit, banned, bandwidth)
-            return smallest
+            return smallest, _agreed_plans(paths, storage_keys, smallest, time_limit, banned, bandwidth)
         except BudgetTooSmall as e:
             smallest = e.smallest
-    return smallest
+    return smallest, None
 
 
 def _fill_from_traced(paths: list[RematPath], storage_keys: list[dict], traces: list[Trace]) -> None:

@@ -69,7 +69,7 @@ class Session:
             if remat.host_bytes:
                 executor.submit(HostPool(remat.host_bytes))
         self._until_sweep = self.sweep_every
-        executor.submit(ResetPeak())
+        executor.submit(ResetPeak(arena[1] if arena is not None else None))
 
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
         ph = Placeholder(meta, self, vid)

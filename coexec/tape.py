@@ -81,28 +81,40 @@ class Program:
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.offload: bool | None = None  # the tape's offload setting the plan was made with
+        self.use_arena: bool | None = None  # the tape's arena setting the plans were made with
 
-    def replan_budget(self, budget: int | None, offload: bool | None = None) -> None:
-        """Plan every observed path to the budget (raises BudgetTooSmall, and keeps it to
-        raise again at the next step with the same budget). ``offload``: park storages on the
-        host too (None: when the step runs on a GPU)."""
+    def replan(self, budget: int | None, offload: bool | None = None, arena: bool = True) -> None:
+        """Plan every observed path: to the budget if there is one (raises BudgetTooSmall, and
+        keeps it to raise again at the next step with the same budget), with ``offload``
+        (park storages on the host too; None: when the step runs on a GPU); and the arena,
+        if ``arena``: under a budget the budget plan places it (on a CPU; on a GPU budgets
+        run without one for now), else :meth:`replan_arena`."""
         from executor import measure_bandwidth
 
         from .budget import plan_program_budget, step_device
 
-        self.budget, self.offload, self.budget_plan, self.budget_error = budget, offload, None, None
-        if budget is None or not self.paths:
+        self.budget, self.offload, self.use_arena = budget, offload, arena
+        self.budget_plan, self.budget_error = None, None
+        self.arena_plan, self.arena = None, None
+        if budget is None:
+            if arena and self.paths:
+                self.replan_arena()
+            return
+        if not self.paths:
             return
         device = step_device(self.paths)
         if offload is None:
             offload = device.type == "cuda"
         bandwidth = measure_bandwidth(device) if offload else None
         try:
-            self.budget_plan = plan_program_budget(self.graph, self.paths, budget, bandwidth=bandwidth)
+            self.budget_plan = plan_program_budget(
+                self.graph, self.paths, budget, bandwidth=bandwidth, arena=arena and device.type == "cpu"
+            )
         except BudgetTooSmall as e:
             # kept as its arguments: the exception's traceback would keep the step alive
             self.budget_error = (e.budget, e.smallest, e.detail)
             raise
+        self._use_arena_plan(self.budget_plan.arena)
 
     def replan_arena(self) -> None:
         """One arena for every observed path, validated per path by the simulator. A plan the
@@ -121,10 +133,14 @@ class Program:
                 stacklevel=2,
             )
             plan = None
+        self._use_arena_plan(plan)
+
+    def _use_arena_plan(self, plan: Any) -> None:
+        """The arena, allocated once up front at exactly the planned size (it counts whole)."""
         self.arena_plan = plan
         if plan is None or plan.arena_bytes == 0:
             self.arena = None
-        elif self.arena is None or self.arena.numel() < plan.arena_bytes:
+        elif self.arena is None or self.arena.numel() != plan.arena_bytes:
             self.arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
 
 
@@ -151,12 +167,15 @@ class GradientTape:
     ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can
     give each its own key), ``arena`` (co-executed steps write planned outputs into one
-    preallocated arena; False: every output from the allocator), ``memory_budget`` (bytes, or a
+    preallocated arena; False: every output from the allocator; ``None``, the default: on
+    without a budget, off under one, where planning the arena jointly takes several times
+    longer, e.g. GPT-2 over a minute), ``memory_budget`` (bytes, or a
     string like ``"6GB"`` or ``"512MiB"``: the device memory a co-executed step may use at its
     peak, persistent state included; activations are dropped and recomputed to stay within it,
     and a budget no plan can meet raises :class:`planner.remat.BudgetTooSmall` naming the
-    smallest feasible one. Tracing steps run eagerly, at eager's peak. Under a budget the
-    executor does not use the arena yet), ``offload`` (under a budget, also park activations
+    smallest feasible one. Tracing steps run eagerly, at eager's peak. With ``arena=True``
+    under a budget on a CPU, the arena is planned with the budget and counts whole in it; on a
+    GPU budgeted steps allocate without it for now), ``offload`` (under a budget, also park activations
     in a host pool across their idle stretch, copied on a stream or thread beside the compute
     at the bandwidth measured on the machine; ``None``, the default: when the step runs on a
     GPU).
@@ -171,7 +190,7 @@ class GradientTape:
         timeout: float = 300.0,
         debug: bool = False,
         key: Any = None,
-        arena: bool = True,
+        arena: bool | None = None,
         memory_budget: int | str | None = None,
         offload: bool | None = None,
     ) -> None:
@@ -195,7 +214,9 @@ class GradientTape:
         if offload not in (None, True, False):
             raise TypeError(f"offload must be True, False or None (automatic), got {offload!r}")
         self.offload = offload
-        self.arena = arena and self.memory_budget is None
+        if arena not in (None, True, False):
+            raise TypeError(f"arena must be True, False or None (on without a budget), got {arena!r}")
+        self.arena = self.memory_budget is None if arena is None else arena
         self._thread = threading.get_ident()
         self._program: Program | None = None
         self._step: _Step | None = None
@@ -215,8 +236,8 @@ class GradientTape:
             cid = CODES.code_id(frame.f_code)
             where = CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
             program = _programs[key] = Program(frame.f_code, where)
-        if program.budget != self.memory_budget or program.offload != self.offload:
-            program.replan_budget(self.memory_budget, self.offload)
+        if (program.budget, program.offload, program.use_arena) != (self.memory_budget, self.offload, self.arena):
+            program.replan(self.memory_budget, self.offload, self.arena)
         elif program.budget_error is not None:
             raise BudgetTooSmall(*program.budget_error)
         self._program = program
@@ -433,7 +454,7 @@ class _Step:
             )
         if not planned:
             program.paths.append(sk.trace)
-            program.replan_budget(program.budget, program.offload)
+            program.replan(program.budget, program.offload, program.use_arena)
             self._log_budget()
 
     def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
@@ -465,9 +486,7 @@ class _Step:
         stats.traces += added
         if added:
             program.paths.append(trace)
-            if self.tape.arena:
-                program.replan_arena()
-            program.replan_budget(self.tape.memory_budget, self.tape.offload)
+            program.replan(self.tape.memory_budget, self.tape.offload, self.tape.arena)
             self._log_budget()
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"

@@ -8,10 +8,10 @@ progress back. It knows nothing of graphs or Python programs; ``coexec`` drives 
 from .memory import LiveBytes, ResetPeak
 from .offload import HostPool, Offload, Prefetch, Wait, measure_bandwidth
 from .remat import Drop, Restore
-from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, FreeRange, Run
+from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, FreeRange, Run, writes_in_place
 
 __all__ = [
     "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "FreeRange",
     "HostPool", "LiveBytes", "Offload", "Prefetch", "ResetPeak", "Restore", "Run", "Wait",
-    "measure_bandwidth",
+    "measure_bandwidth", "writes_in_place",
 ]  # fmt: skip

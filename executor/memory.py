@@ -1,29 +1,91 @@
-"""What the executor holds: live bytes of the distinct storages in its value table.
+"""What the executor holds: live bytes of the distinct storages in its value table, and which
+bytes of the arena are in use.
 
 On a CPU there is no allocator to ask, and on CUDA the caching allocator's figures include
 memory it keeps for reuse; the plan's unit is the storage, so the executor counts storages:
 each distinct storage once, from the first value on it to the last one it forgets. ``peak`` is
 the largest total seen since :meth:`reset_peak`.
+
+With an arena attached, the arena counts whole (it is device memory the step holds from the
+start), and a storage over arena bytes is not counted again: it only marks its bytes in use.
+Arena storages are made by :meth:`region`, one per planned output, so a storage's address and
+size are exactly the region it occupies, and a region is in use as long as any value on its
+storage is: the same count that decides when an allocation is freed.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
 
 
 class ResetPeak:
-    """Instruction: start counting the peak from what is live now (a step begins)."""
+    """Instruction: a step begins: start counting the peak from what is live now, with the
+    step's ``arena`` attached (None: the step has none, and an earlier one no longer counts)."""
 
-    __slots__ = ()
+    __slots__ = ("arena",)
+
+    def __init__(self, arena: torch.Tensor | None = None) -> None:
+        self.arena = arena
 
 
 class LiveBytes:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
-        self._storages: dict[int, list[int]] = {}  # storage address -> [values on it, bytes]
+        # storage address -> [values on it, bytes, offset in the arena or -1]
+        self._storages: dict[int, list[int]] = {}
+        self.arena: torch.Tensor | None = None
+        self._base = 0
+        self._size = 0
+        self._buffer: memoryview | None = None
+        self._starts: list[int] = []  # sorted arena offsets of live arena storages
+        self._ends: dict[int, int] = {}  # offset -> end
+
+    def attach(self, arena: torch.Tensor) -> None:
+        """Use ``arena`` (a flat uint8 CPU tensor) from now on; it counts as live whole. The
+        regions of an earlier arena are forgotten (its values are counted as before: not)."""
+        if arena is self.arena:
+            return
+        self.live -= self._size
+        self.arena = arena
+        self._base = arena.data_ptr()
+        self._size = arena.numel()
+        self._buffer = memoryview(arena.numpy())
+        self._starts, self._ends = [], {}
+        self.live += self._size
+        self.peak = max(self.peak, self.live)
+
+    def detach(self) -> None:
+        """No arena from now on (values still in the old one are not counted, as before)."""
+        self.live -= self._size
+        self.arena, self._base, self._size, self._buffer = None, 0, 0, None
+        self._starts, self._ends = [], {}
+
+    def region(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor with a storage of its own over ``[offset, offset + nbytes)`` of the
+        arena (fixed size: a kernel that wants to resize it fails instead of writing past it)."""
+        return torch.frombuffer(self._buffer, dtype=torch.uint8, count=max(nbytes, 1), offset=offset)
+
+    def free(self, offset: int, nbytes: int) -> bool:
+        """Is no live storage over any of the arena's bytes ``[offset, offset + nbytes)``?"""
+        if offset < 0 or offset + nbytes > self._size:
+            return False
+        i = bisect.bisect_left(self._starts, offset + nbytes)
+        return i == 0 or self._ends[self._starts[i - 1]] <= offset
+
+    def in_arena(self, t: Any) -> bool:
+        """Does ``t``'s memory lie in the attached arena?"""
+        if self.arena is None or not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return False
+        p = _ptr(t)
+        return self._base <= p < self._base + self._size
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        """Where ``t``'s storage starts in the arena (``in_arena(t)`` must hold)."""
+        return t.untyped_storage().data_ptr() - self._base
 
     def add(self, t: Any, inputs: Any = ()) -> None:
         """``t`` is now in the value table. A storage not yet counted that one of ``inputs``
@@ -45,7 +107,13 @@ class LiveBytes:
             elif isinstance(x, torch.Tensor) and _ptr(x) == key:
                 return
         n = s.nbytes()
-        self._storages[key] = [1, n]
+        offset = key - self._base
+        if self.arena is not None and 0 <= offset < self._size:
+            self._storages[key] = [1, n, offset]
+            bisect.insort(self._starts, offset)
+            self._ends[offset] = offset + max(n, 1)
+            return
+        self._storages[key] = [1, n, -1]
         self.live += n
         if self.live > self.peak:
             self.peak = self.live
@@ -59,8 +127,13 @@ class LiveBytes:
             return
         entry[0] -= 1
         if entry[0] == 0:
-            self.live -= entry[1]
             del self._storages[key]
+            offset = entry[2]
+            if offset < 0:
+                self.live -= entry[1]
+            elif self._ends.get(offset) == offset + max(entry[1], 1) and key - self._base == offset:
+                del self._ends[offset]
+                self._starts.remove(offset)
 
     def reset_peak(self) -> None:
         self.peak = self.live

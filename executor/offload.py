@@ -57,9 +57,9 @@ class HostPool:
 class _Parcel:
     """One storage in transit or parked: its values' layouts and where its bytes are."""
 
-    __slots__ = ("layouts", "host", "where", "device", "back", "done", "nbytes")
+    __slots__ = ("layouts", "host", "where", "device", "back", "done", "nbytes", "home")
 
-    def __init__(self, layouts: dict, host: torch.Tensor, where: torch.device) -> None:
+    def __init__(self, layouts: dict, host: torch.Tensor, where: torch.device, home: int = -1) -> None:
         self.layouts = layouts  # vid -> (dtype, storage_offset, size, stride)
         self.host = host
         self.where = where  # the device it came from
@@ -67,6 +67,7 @@ class _Parcel:
         self.back: dict[int, torch.Tensor] = {}  # vid -> its value on the device storage
         self.done: Any = None  # Future (CPU) or CUDA event of the copy in flight
         self.nbytes = host.numel()
+        self.home = home  # its offset in the arena, if it came from there (-1: the allocator)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -151,7 +152,9 @@ class Offloads:
         if ins.offset + n > self.pool.numel():
             return  # a storage larger than planned (another path): it stays on the device
         layouts = {v: (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride())) for v, t in ts}
-        parcel = _Parcel(layouts, self.pool[ins.offset : ins.offset + n], src.device)
+        memory = self.memory
+        home = memory.offset_of(src) if memory.in_arena(src) else -1
+        parcel = _Parcel(layouts, self.pool[ins.offset : ins.offset + n], src.device, home)
         parcel.done = self.channel.copy(parcel.host, src)
         for v, _t in ts:
             self.out[v] = parcel
@@ -189,8 +192,13 @@ class Offloads:
                 self._bring_back(parcel)
 
     def _bring_back(self, parcel: _Parcel) -> None:
-        """Allocate the device storage (it counts from now) and start the copy back."""
-        parcel.device = torch.empty(parcel.nbytes, dtype=torch.uint8, device=parcel.where)
+        """Allocate the device storage (it counts from now) and start the copy back: into the
+        arena bytes it left, if they are free."""
+        memory = self.memory
+        if parcel.home >= 0 and memory.free(parcel.home, parcel.nbytes):
+            parcel.device = memory.region(parcel.home, parcel.nbytes)
+        else:
+            parcel.device = torch.empty(parcel.nbytes, dtype=torch.uint8, device=parcel.where)
         parcel.done = self.channel.copy(parcel.device, parcel.host)
         storage = parcel.device.untyped_storage()
         for v, (dtype, offset, size, stride) in parcel.layouts.items():

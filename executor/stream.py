@@ -12,7 +12,7 @@ the one position someone waits for, and only then signals.
 
 from __future__ import annotations
 
-import bisect
+import contextlib
 import queue
 import threading
 import time
@@ -121,7 +121,6 @@ class _Worker:
         self.error: ExecutorError | None = None
         self.busy_seconds = 0.0
         self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.regions = _Regions()
         self.arena_misses = 0  # planned arena outputs that had to use the allocator
         self.arena_hits = 0  # op results written into the arena
         self.memory = LiveBytes()
@@ -162,8 +161,6 @@ class _Worker:
             elif type(ins) is FreeRange:
                 for v in [v for v in values if ins.lo <= v < ins.hi]:
                     self.memory.remove(values.pop(v))
-                for v in [v for v in self.regions.of if ins.lo <= v < ins.hi]:
-                    self.regions.drop(v)
                 self.recipes.clear_range(ins.lo, ins.hi)
                 self.offloads.clear_range(ins.lo, ins.hi)
             elif type(ins) is Drop:
@@ -178,6 +175,10 @@ class _Worker:
             elif type(ins) is HostPool:
                 self.offloads.size_pool(ins.nbytes, torch.cuda.is_available())
             elif type(ins) is ResetPeak:
+                if ins.arena is not None:
+                    self.memory.attach(ins.arena)
+                elif self.memory.arena is not None:
+                    self.memory.detach()
                 self.memory.reset_peak()
             elif type(ins) is Restore:
                 if self.error is None:
@@ -199,7 +200,6 @@ class _Worker:
         t = self.values.pop(vid, None)
         if t is not None:
             self.memory.remove(t)
-        self.regions.drop(vid)
         if self.recipes:
             self.recipes.forget(vid)
         if self.offloads:
@@ -243,15 +243,18 @@ class _Worker:
             self.grad_mode = mode
 
     def recall(self, ins: Run) -> list:
-        """Run a recipe again (outside the arena): its flattened outputs."""
+        """Run a recipe again, into its planned arena regions where they are free (a storage
+        comes back where it was): its flattened outputs."""
         mode = self.grad_mode
         args, kwargs = self.arguments(ins, self.values)
         self.set_grad_mode(ins.grad_mode)
         try:
-            if ins.random:  # the same random numbers as the first time; the stream goes on
-                with replayed_rng(self.recipes.rng_states[id(ins)]):
-                    return _flatten(ins.func(*args, **kwargs))
-            return _flatten(ins.func(*args, **kwargs))
+            # a random op draws the same numbers as the first time; the stream goes on
+            with replayed_rng(self.recipes.rng_states[id(ins)]) if ins.random else contextlib.nullcontext():
+                out = self.run_in_arena(ins, args, kwargs) if ins.arena_out is not None else None
+                if out is None:
+                    out = ins.func(*args, **kwargs)
+            return _flatten(out)
         finally:
             self.set_grad_mode(mode)
 
@@ -297,10 +300,8 @@ class _Worker:
             err.__cause__ = e
             self.error = err
             return
-        regions = self.regions
         for old, new in ins.moves:
             values[new] = values.pop(old)
-            regions.rename(old, new)
         if ins.outs:
             memory = self.memory
             inputs = (*args, *kwargs.values())
@@ -311,8 +312,6 @@ class _Worker:
                     if prev is not None:
                         memory.remove(prev)
                     memory.add(t, inputs)
-                if regions.arena is not None:
-                    regions.claim(vid, t)
             if ins.recipe:
                 self.recipes.keep(ins)
         if ins.keep_result:
@@ -325,26 +324,22 @@ class _Worker:
 
         Each output gets its own fixed-size storage over its region, so an ``out=`` kernel
         that wants to resize its output fails instead of writing past the region; results
-        that do not have the planned layout are discarded, and the op is not tried again."""
+        that do not have the planned layout are discarded, and the op is not tried again.
+        (A failed try writes only bytes that no live value holds.)"""
         out_func, names, arena, outs = ins.arena_out
         if out_func in _NOT_IN_PLACE:
             return None
-        if out_func not in _IN_PLACE:
-            return self.try_out_variant(out_func, names, outs, args, kwargs)
-        regions = self.regions
-        if regions.arena is not arena:
-            regions.reset(arena)
+        memory = self.memory
+        memory.attach(arena)
         spans = []
         for offset, shape, stride, dtype in outs:
             n = _span_bytes(shape, stride, dtype)
-            if not regions.free(offset, n):
+            if not memory.free(offset, n):
                 self.arena_misses += 1
                 return None
             spans.append((offset, n))
         views = [
-            torch.frombuffer(regions.buffer, dtype=torch.uint8, count=max(n, 1), offset=offset)
-            .view(dtype)[: max(n, 1) // dtype.itemsize]
-            .as_strided(shape, stride)
+            memory.region(offset, n).view(dtype)[: max(n, 1) // dtype.itemsize].as_strided(shape, stride)
             for (offset, n), (_o, shape, stride, dtype) in zip(spans, outs)
         ]
         kw = dict(kwargs)
@@ -358,33 +353,19 @@ class _Worker:
             if tuple(v.shape) != shape or tuple(v.stride()) != stride or v.dtype != dtype:
                 _NOT_IN_PLACE.add(out_func)
                 return None
-        for offset, n in spans:
-            regions.open(offset, n)
+        _IN_PLACE.add(out_func)
         self.arena_hits += 1
         return views[0] if len(views) == 1 else tuple(views)
 
 
-    def try_out_variant(self, out_func: Any, names: tuple, outs: tuple, args: list, kwargs: dict) -> Any:
-        """First use of an ``out=`` overload: run it into empty outputs (which kernels resize
-        without complaint) and keep it for the arena only if it lays them out as planned."""
-        empties = [torch.empty(0, dtype=dtype) for _o, _s, _st, dtype in outs]
-        kw = dict(kwargs)
-        kw.update(zip(names, empties))
-        try:
-            out_func(*args, **kw)
-        except RuntimeError:
-            _NOT_IN_PLACE.add(out_func)
-            return None
-        ok = all(
-            tuple(t.shape) == shape and tuple(t.stride()) == stride
-            for t, (_o, shape, stride, _d) in zip(empties, outs)
-        )
-        (_IN_PLACE if ok else _NOT_IN_PLACE).add(out_func)
-        return (empties[0] if len(empties) == 1 else tuple(empties)) if ok else None
+def writes_in_place(out_func: Any) -> bool | None:
+    """Has ``out_func`` (an ``out=`` overload) written into the arena as planned in this
+    process (True), laid its outputs out otherwise (False), or not been tried (None)?"""
+    return True if out_func in _IN_PLACE else False if out_func in _NOT_IN_PLACE else None
 
 
-# out= overloads checked against the plan on first use: good ones write into the arena, the
-# others (they lay out their output differently, e.g. mse_loss.out) use the allocator
+# out= overloads tried into the arena: good ones keep writing there, the others (they lay out
+# their output differently, e.g. mse_loss.out) use the allocator
 _IN_PLACE: set = set()
 _NOT_IN_PLACE: set = set()
 
@@ -393,66 +374,6 @@ def _span_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
     if any(s == 0 for s in shape):
         return 0
     return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
-
-
-class _Regions:
-    """Which bytes of the arena hold live values, and which values (by id) hold them."""
-
-    def __init__(self) -> None:
-        self.arena: torch.Tensor | None = None
-        self.base = 0
-        self.size = 0
-        self.buffer: memoryview | None = None
-        self.starts: list[int] = []  # sorted region starts
-        self.ends: dict[int, int] = {}  # start -> end
-        self.holders: dict[int, set[int]] = {}  # start -> value ids
-        self.of: dict[int, int] = {}  # value id -> region start
-
-    def reset(self, arena: torch.Tensor) -> None:
-        self.__init__()
-        self.arena = arena
-        self.base = arena.data_ptr()
-        self.size = arena.numel()
-        self.buffer = memoryview(arena.numpy())  # outputs get storages of their own over it
-
-    def free(self, offset: int, n: int) -> bool:
-        i = bisect.bisect_left(self.starts, offset + n)
-        return i == 0 or self.ends[self.starts[i - 1]] <= offset
-
-    def open(self, offset: int, n: int) -> None:
-        bisect.insort(self.starts, offset)
-        self.ends[offset] = offset + max(n, 1)
-        self.holders[offset] = set()
-
-    def claim(self, vid: int, t: Any) -> None:
-        """``vid``'s tensor lies in the arena: it keeps its region in use."""
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return
-        off = t.data_ptr() - self.base
-        if not 0 <= off < self.size:
-            return
-        i = bisect.bisect_right(self.starts, off) - 1
-        if i >= 0 and self.ends[self.starts[i]] > off:
-            start = self.starts[i]
-            self.holders[start].add(vid)
-            self.of[vid] = start
-
-    def rename(self, old: int, new: int) -> None:
-        start = self.of.pop(old, None)
-        if start is not None:
-            self.holders[start].discard(old)
-            self.holders[start].add(new)
-            self.of[new] = start
-
-    def drop(self, vid: int) -> None:
-        start = self.of.pop(vid, None)
-        if start is None:
-            return
-        holders = self.holders[start]
-        holders.discard(vid)
-        if not holders:
-            del self.holders[start], self.ends[start]
-            self.starts.remove(start)
 
 
 class Executor:

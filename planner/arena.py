@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from .address import Placement, greedy_offsets, live_peak, optimal_offsets
+from .address import Placement, greedy_offsets, optimal_offsets
 from .graph import LOCAL, PlanningGraph
-from .simulate import Replay, replay
+from .simulate import check_stretches, replay
 
 ALIGNMENT = 64
+
+Stretches = dict[int, list[tuple[int, int]]]  # sid -> [first, last] positions it is resident
 
 
 @dataclass
@@ -28,7 +30,7 @@ class ArenaPlan:
     sizes: dict[Hashable, int]  # storage key -> bytes (aligned)
     arena_bytes: int
     placement: Placement
-    paths: list[Replay] = field(default_factory=list)  # each observed path, replayed
+    paths: list[int] = field(default_factory=list)  # each observed path's highest byte, validated
     local_peak: int = 0  # the largest live-bytes peak of local storages over the paths
 
     @property
@@ -41,38 +43,56 @@ def _aligned(n: int) -> int:
 
 
 def plan_arena(
-    paths: list[tuple[PlanningGraph, dict[int, Hashable]]], optimize_seconds: float = 0.0
+    paths: list[tuple[PlanningGraph, dict[int, Hashable]]],
+    optimize_seconds: float = 0.0,
+    stretches: list[Stretches] | None = None,
 ) -> ArenaPlan:
-    """``paths``: (graph, storage id -> key) per observed path; ops run in issue order."""
-    spans: dict[Hashable, tuple[int, int]] = {}
+    """``paths``: (graph, storage id -> key) per observed path; ops run in issue order; only
+    storages with a key are placed. ``stretches`` (per path): when each storage is resident, if
+    not from its producer to its last use: a storage dropped and recomputed, or parked on the
+    host and copied back, is resident in several stretches (a plan's ``segments``), always at
+    its one offset, and its bytes are free for others in between."""
     sizes: dict[Hashable, int] = {}
     conflicts: dict[Hashable, set] = {}
+    spans: dict[Hashable, tuple[int, int]] = {}  # a representative hull per key (for the solver)
     local_peak = 0
     per_path = []
-    for g, keys in paths:
-        order = list(range(len(g)))
-        life = replay(g, order).intervals
-        local = [sid for sid, s in g.storages.items() if s.kind == LOCAL and s.nbytes > 0 and sid in keys]
-        path_spans = {keys[sid]: life[sid] for sid in local}
+    for i, (g, keys) in enumerate(paths):
+        if stretches is None:
+            life = replay(g, list(range(len(g)))).intervals
+            resident = {sid: [life[sid]] for sid in life}
+        else:
+            resident = stretches[i]
+        local = [
+            sid for sid, s in g.storages.items()
+            if s.kind == LOCAL and s.nbytes > 0 and sid in keys and resident.get(sid)
+        ]  # fmt: skip
+        items = []
         for sid in local:
             k = keys[sid]
             sizes[k] = max(sizes.get(k, 0), _aligned(g.storages[sid].nbytes))
             conflicts.setdefault(k, set())
-        items = sorted(path_spans.items(), key=lambda kv: kv[1])
+            items.extend((a, b, k) for a, b in resident[sid])
+            spans.setdefault(k, (resident[sid][0][0], resident[sid][-1][1]))
+        items.sort(key=lambda x: (x[0], x[1]))
         active: list[tuple[int, Hashable]] = []
-        for k, (a, b) in items:
+        delta: dict[int, int] = {}
+        for a, b, k in items:
             active = [(last, o) for last, o in active if last >= a]
             for _last, o in active:
                 if o != k:
                     conflicts[k].add(o)
                     conflicts[o].add(k)
             active.append((b, k))
-        local_peak = max(local_peak, live_peak(path_spans, {k: sizes[k] for k in path_spans}))
-        per_path.append((g, keys, local))
-        for k, iv in path_spans.items():  # a representative interval per key (for the solver)
-            spans.setdefault(k, iv)
+            delta[a] = delta.get(a, 0) + sizes[k]
+            delta[b + 1] = delta.get(b + 1, 0) - sizes[k]
+        live = 0
+        for t in sorted(delta):
+            live += delta[t]
+            local_peak = max(local_peak, live)
+        per_path.append((g, keys, {sid: resident[sid] for sid in local}))
     placement = greedy_offsets(spans, sizes, conflicts, alignment=ALIGNMENT)
-    if optimize_seconds > 0 and placement.arena_bytes > local_peak and len(paths) == 1:
+    if optimize_seconds > 0 and placement.arena_bytes > local_peak and len(paths) == 1 and stretches is None:
         units = {k: n // ALIGNMENT for k, n in sizes.items()}
         better = optimal_offsets(spans, units, time_limit=optimize_seconds, conflicts=conflicts)
         if better.arena_bytes * ALIGNMENT < placement.arena_bytes:
@@ -80,7 +100,7 @@ def plan_arena(
             better.arena_bytes *= ALIGNMENT
             placement = better
     plan = ArenaPlan(placement.offsets, sizes, placement.arena_bytes, placement, local_peak=local_peak)
-    for g, keys, local in per_path:  # every path must replay without overlap
-        offsets = {sid: placement.offsets[keys[sid]] for sid in local}
-        plan.paths.append(replay(g, list(range(len(g))), offsets, arena_bytes=plan.arena_bytes, partial=True))
+    for g, keys, resident in per_path:  # every path must replay without overlap
+        offsets = {sid: placement.offsets[keys[sid]] for sid in resident}
+        plan.paths.append(check_stretches(g, resident, offsets, plan.arena_bytes))
     return plan

@@ -34,10 +34,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .arena import ALIGNMENT
 from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph, longest_gap, needed_at
 from .offload import Bandwidth, OffloadCandidate, channel_shares, offload_candidates, predict_seconds
 
@@ -436,9 +437,52 @@ class RematPath:
     g: PlanningGraph
     order: list[int]
     keys: list[Hashable] | None = None
+    # storages placed in one arena shared by all paths (None: no arena). The arena holds
+    # whole, from the start: a plan needs persistent + arena + the rest at every moment, where
+    # the arena is the largest sum of placed storages resident at once on any path
+    placed: frozenset | None = None
 
     def key(self, op: int) -> Hashable:
         return op if self.keys is None else self.keys[op]
+
+
+def _sizer(g: PlanningGraph, placed: frozenset | None) -> Callable[[int], int]:
+    """A storage's bytes as a plan counts them: placed ones as the arena holds them (aligned)."""
+    if not placed:
+        return lambda sid: g.storages[sid].nbytes
+    return lambda sid: -(-g.storages[sid].nbytes // ALIGNMENT) * ALIGNMENT if sid in placed else g.storages[sid].nbytes
+
+
+def split_peaks(g: PlanningGraph, order: list[int], segments: dict, placed: frozenset) -> tuple[int, int]:
+    """Peaks of the ``placed`` storages resident at once (aligned as the arena holds them) and
+    of the rest (op workspace included), given when each storage is resident (a replay's
+    ``segments``)."""
+    n = len(order)
+    inside, outside = [0] * (n + 1), [0] * (n + 1)
+    size_of = _sizer(g, placed)
+    for sid, spans in segments.items():
+        delta = inside if sid in placed else outside
+        for a, b in spans:
+            delta[a] += size_of(sid)
+            delta[b + 1] -= size_of(sid)
+    i_live = o_live = i_peak = o_peak = 0
+    for t in range(n):
+        i_live += inside[t]
+        o_live += outside[t]
+        i_peak = max(i_peak, i_live)
+        o_peak = max(o_peak, o_live + g.ops[order[t]].workspace)
+    return i_peak, o_peak
+
+
+def bound_of(paths: list[RematPath], replays: list[RematReplay]) -> int:
+    """The device bytes plans need at their peak over all paths: with an arena, persistent
+    state, the arena (the most placed bytes resident at once on any path) and the rest."""
+    peak = max((r.peak for r in replays), default=0)
+    if not paths or paths[0].placed is None:
+        return peak
+    split = [split_peaks(p.g, p.order, r.segments, p.placed) for p, r in zip(paths, replays)]
+    arena = max(i for i, _o in split)
+    return max(peak, *(p.g.persistent_bytes + arena + o for p, (_i, o) in zip(paths, split)))
 
 
 def _runs(paths: list[RematPath]) -> dict[Hashable, int]:
@@ -498,12 +542,28 @@ class _Model:
         self._by: dict[tuple, Any] = {}  # (path, x, p) -> x is remade by position p (if dropped)
         self.cascades: list[_Cascade] = []
         self.chain_span: int | None = None  # how far a chain of dropped readers may reach, if capped
-        # (fixed bytes, the bytes decisions leave resident (a linear expression), their most)
-        self.rows: list[tuple[int, Any, int]] = []
+        # (fixed bytes, the bytes decisions leave resident (a linear expression), their most,
+        # and what they count: "all" storages, those "in" the arena, or those "out" of it)
+        self.rows: list[tuple[int, Any, int, str]] = []
+        self.arena: Any = None  # with an arena: its size, the most placed bytes at once
         self._channel: set = set()
         self._offs: list[dict[int, OffloadCandidate]] = []  # per path: sid -> candidate
         for i, (p, cands, os) in enumerate(zip(paths, per, offs)):
             self._add_path(i, p, cands, os)
+        if any(kind == "in" for *_r, kind in self.rows):
+            top = max(base + most for base, _l, most, kind in self.rows if kind == "in")
+            self.arena = self.model.NewIntVar(0, top, "arena")
+
+    def limit(self, limit: Any) -> None:
+        """Every row within ``limit`` (bytes, or a variable): with an arena, the placed bytes
+        within the arena's size and the rest beside the whole arena."""
+        for base, level, most, kind in self.rows:
+            if kind == "in":
+                self.model.Add(base + level <= self.arena)
+            elif kind == "out":
+                self.model.Add(base + level + self.arena <= limit)
+            elif not isinstance(limit, int) or base + most > limit:
+                self.model.Add(base + level <= limit)
 
     @property
     def decisions(self) -> dict[Hashable, Any]:
@@ -533,23 +593,29 @@ class _Model:
                 for pe, e in cascade.points.get(c.op, ()):
                     if pe in o.off:  # c is made again there for a chain of dropped readers
                         self.model.Add(off + drop + self._reaches(i, p, c.op, e) <= 2)
-        pieces = []  # (sid, first, stop, literal): resident on [first, stop) iff the literal
+        classes = {"all": (fixed, [], [0] * (n + 1))}
+        if p.placed is not None:  # the arena's storages apart from the rest (workspace is out)
+            classes = {"out": (fixed, [], [0] * (n + 1)), "in": ([0] * n, [], [0] * (n + 1))}
+        size_of = _sizer(g, p.placed)
         for sid, a, b, ts in _with_offloads(_residency(g, order, cands, cascade), offs):
-            size = g.storages[sid].nbytes
+            size = size_of(sid)
+            _fixed, pieces, delta = classes["all" if p.placed is None else "in" if sid in p.placed else "out"]
             if ts is None:
                 delta[a] += size
                 delta[b] -= size
             else:
                 pieces.append((sid, a, b, self._resident(i, p, sid, tuple(sorted(ts, key=repr)))))
-        run = 0
-        for t in range(n):
-            run += delta[t]
-            fixed[t] += run
-        fixed = [g.persistent_bytes + f for f in fixed]
-        if sum(b - a for _, a, b, _ in pieces) <= MAX_DENSE_TERMS:
-            self._dense_rows(g, n, fixed, pieces)
-        else:
-            self._running_rows(g, n, fixed, pieces)
+        for kind, (base, pieces, delta) in classes.items():
+            run = 0
+            for t in range(n):
+                run += delta[t]
+                base[t] += run
+            if kind != "in":
+                base = [g.persistent_bytes + f for f in base]
+            if sum(b - a for _, a, b, _ in pieces) <= MAX_DENSE_TERMS:
+                self._dense_rows(size_of, n, base, pieces, kind)
+            else:
+                self._running_rows(size_of, n, base, pieces, kind)
         by_sid = {o.sid: o for o in offs}
         for shares in channel_shares(g, order, offs):
             if len(shares) > 1 and sum(shares.values()) > 1:
@@ -558,7 +624,7 @@ class _Model:
                     self._channel.add(row)
                     self.model.Add(sum(w * self.off[k] for k, w in row) <= 1000)
 
-    def _dense_rows(self, g: PlanningGraph, n: int, fixed: list[int], pieces: list) -> None:
+    def _dense_rows(self, size_of: Callable, n: int, fixed: list[int], pieces: list, kind: str) -> None:
         """A row per set of storages in play: every literal of every storage resident there
         (rows repeat rarely; the solver propagates them best)."""
         at: list[dict[int, Any]] = [dict() for _ in range(n)]
@@ -571,17 +637,17 @@ class _Model:
             if key not in groups or groups[key][0] < fixed[t]:
                 groups[key] = (fixed[t], at[t])
         for base, lits in groups.values():
-            sizes = [(g.storages[sid].nbytes, lit) for sid, lit in lits.items()]
-            self.rows.append((base, sum(size * lit for size, lit in sizes), sum(size for size, _ in sizes)))
+            sizes = [(size_of(sid), lit) for sid, lit in lits.items()]
+            self.rows.append((base, sum(size * lit for size, lit in sizes), sum(size for size, _ in sizes), kind))
 
-    def _running_rows(self, g: PlanningGraph, n: int, fixed: list[int], pieces: list) -> None:
+    def _running_rows(self, size_of: Callable, n: int, fixed: list[int], pieces: list, kind: str) -> None:
         """The bytes in play as a running sum: a variable per position that adds the pieces
         starting there and takes off those that stop (linear in the graph, where a row listing
         every storage in play grows with its square)."""
         steps: list[dict[int, list]] = [dict() for _ in range(n + 1)]  # t -> literal -> [lit, bytes]
         in_play = [0] * (n + 1)
         for sid, a, b, lit in pieces:
-            size = g.storages[sid].nbytes
+            size = size_of(sid)
             in_play[a] += size
             in_play[b] -= size
             for t, sign in ((a, size), (b, -size)):
@@ -594,10 +660,10 @@ class _Model:
                 var = self.model.NewIntVar(0, most, f"mem{t}")
                 self.model.Add(var == (level if level is not None else 0) + sum(size * lit for size, lit in change))
                 level = var
-                self.rows.append((fixed[t], level, most))
+                self.rows.append((fixed[t], level, most, kind))
             else:  # the same variable bytes: one row, at the most fixed bytes
-                base, _, was = self.rows[-1]
-                self.rows[-1] = (max(base, fixed[t]), level, max(was, most))
+                base, _, was, _kind = self.rows[-1]
+                self.rows[-1] = (max(base, fixed[t]), level, max(was, most), kind)
 
     def _cap_chains(self, i: int, p: RematPath, cands: list[Candidate], cascade: _Cascade) -> None:
         """No chain of dropped readers reaching further than the cascade's span: ``far[x]``
@@ -695,11 +761,9 @@ class _Model:
 
     def fit(self, budget: int) -> bool:
         """Add the budget rows; False when a row cannot hold whatever is dropped."""
-        for base, level, most in self.rows:
-            if base > budget:
-                return False
-            if base + most > budget:
-                self.model.Add(level <= budget - base)
+        if any(base > budget for base, *_r in self.rows):
+            return False
+        self.limit(budget)
         return True
 
     def solve(self, time_limit: float, hint: set | None, workers: int = 8):
@@ -766,7 +830,7 @@ def min_feasible_budget_paths(
     offs = _allowed_offloads(paths, bandwidth, set(banned))
 
     def peak_of(keys: set) -> int:
-        return max(r.peak for r in _replays(paths, per, offs, keys))
+        return bound_of(paths, _replays(paths, per, offs, keys))
 
     everything = {p.key(c.op) for p, cs in zip(paths, per) for c in cs}
     options = [set()]
@@ -779,10 +843,9 @@ def min_feasible_budget_paths(
         options += [everything] if model.chain_span is None else _periodic(paths, per, model.chain_span)
     scored = [(peak_of(o), o) for o in options]
     if model is not None:
-        top = max((base + most for base, _, most in model.rows), default=0)
+        top = sum(max((base + most for base, _, most, k in model.rows if k == kind), default=0) for kind in ("in", "out", "all"))
         peak = model.model.NewIntVar(0, top, "peak")
-        for base, level, _ in model.rows:
-            model.model.Add(base + level <= peak)
+        model.limit(peak)
         model.model.Minimize(peak)
         _solver, _status, chosen = model.solve(time_limit, min(scored, key=lambda s: s[0])[1])
         if chosen is not None:
@@ -823,7 +886,7 @@ def plan_remat_paths(
     feasible budget."""
     t0 = time.perf_counter()
     bases = [remat_replay(p.g, p.order, []) for p in paths]
-    if all(b.peak <= budget for b in bases):
+    if bound_of(paths, bases) <= budget:
         spent = time.perf_counter() - t0
         return [
             RematPlan(
@@ -845,7 +908,7 @@ def plan_remat_paths(
     for p, cands in zip(paths, per):
         found = _greedy(p.g, p.order, cands, budget)
         warm = None if found is None or warm is None else warm | {p.key(c.op) for c in found}
-    if warm is not None and any(r.peak > budget for r in _replays(paths, per, offs, warm)):
+    if warm is not None and bound_of(paths, _replays(paths, per, offs, warm)) > budget:
         warm = None
     model = _Model(paths, per, offs)
     if not model.decisions or not model.fit(budget):
@@ -871,10 +934,10 @@ def plan_remat_paths(
         method, chosen = "lowest-peak", keys
     plans = []
     spent = time.perf_counter() - t0
+    assert bound_of(paths, _replays(paths, per, offs, chosen)) <= budget, "a remat plan over its budget (planner bug)"
     for p, cands, os, base in zip(paths, per, offs, bases):
         dropped, offloaded = _chosen(p, cands, os, chosen)
         rep = remat_replay(p.g, p.order, dropped, offloaded)
-        assert rep.peak <= budget, "a remat plan over its budget (planner bug)"
         plans.append(
             RematPlan(
                 p.order, dropped, rep.peak, base.peak, budget, rep.extra_seconds, method, spent, gap,
@@ -896,11 +959,15 @@ def plan_remat(
     return plan_remat_paths([path], budget, time_limit, bandwidth=bandwidth)[0]
 
 
-def exhaustive_remat(g: PlanningGraph, budget: int, order: list[int] | None = None, bandwidth: Bandwidth | None = None):
+def exhaustive_remat(
+    g: PlanningGraph, budget: int, order: list[int] | None = None, bandwidth: Bandwidth | None = None,
+    placed: frozenset | None = None,
+):
     """Every subset of the candidates and offloads (tests only: exponential). Returns (cost in
     the objective's units, peak, dropped ops, offloaded storages) of the cheapest plan within
-    ``budget``, or None."""
+    ``budget`` (with an arena of the ``placed`` storages: :func:`bound_of`), or None."""
     order = list(range(len(g))) if order is None else order
+    path = RematPath(g, order, placed=placed)
     cands = candidates(g, order)
     offs = offload_candidates(g, order, bandwidth) if bandwidth is not None else []
     items = [*cands, *offs]
@@ -915,7 +982,7 @@ def exhaustive_remat(g: PlanningGraph, budget: int, order: list[int] | None = No
                 rep = remat_replay(g, order, dropped, offloaded)
             except ValueError:
                 continue
-            if rep.peak <= budget:
+            if bound_of([path], [rep]) <= budget:
                 cost = sum(map(_cost, dropped)) + OFFLOAD_COST * len(offloaded)
                 if best is None or cost < best[0]:
                     best = (cost, rep.peak, sorted(c.op for c in dropped), sorted(o.sid for o in offloaded))

@@ -96,16 +96,28 @@ def _check_addresses(g, spans, offsets, arena_bytes, partial=False) -> int:
     missing = [sid for sid in local if sid not in offsets]
     if missing and not partial:
         raise InvalidPlan(f"{len(missing)} local storages have no arena offset (e.g. storage {missing[0]})")
-    local = [sid for sid in local if sid in offsets]
+    return check_stretches(g, {sid: [spans[sid]] for sid in local if sid in offsets}, offsets, arena_bytes)
+
+
+def check_stretches(
+    g: PlanningGraph,
+    stretches: dict[int, list[tuple[int, int]]],
+    offsets: dict[int, int],
+    arena_bytes: int | None = None,
+) -> int:
+    """Addresses of storages resident in ``stretches`` (sid -> ``[first, last]`` positions; a
+    storage freed and made again, by recomputation or a copy back, has several, all at its
+    one offset): raises :class:`InvalidPlan` if two storages resident at the same time
+    overlap in the arena or one reaches past ``arena_bytes``; returns the highest byte used."""
     end = 0
     items = []
-    for sid in local:
+    for sid, spans in stretches.items():
         off = offsets[sid]
         size = g.storages[sid].nbytes
         if off < 0:
             raise InvalidPlan(f"storage {sid} has a negative offset {off}")
         end = max(end, off + size)
-        items.append((spans[sid][0], spans[sid][1], off, off + size, sid))
+        items.extend((first, last, off, off + size, sid) for first, last in spans)
     if arena_bytes is not None and end > arena_bytes:
         raise InvalidPlan(f"storages reach byte {end} of an arena of {arena_bytes} bytes")
     # sweep over time: storages live at the same time must not overlap in the arena
@@ -114,7 +126,7 @@ def _check_addresses(g, spans, offsets, arena_bytes, partial=False) -> int:
     for first, last, lo, hi, sid in items:
         active = [a for a in active if a[0] >= first]
         for a_last, a_lo, a_hi, a_sid in active:
-            if lo < a_hi and a_lo < hi:
+            if lo < a_hi and a_lo < hi and a_sid != sid:
                 raise InvalidPlan(
                     f"storages {a_sid} and {sid} are live at the same time and overlap in the "
                     f"arena ([{a_lo}, {a_hi}) and [{lo}, {hi}))"

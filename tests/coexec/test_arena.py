@@ -92,7 +92,7 @@ def test_a_tensor_kept_past_its_last_use_makes_the_allocator_step_in():
 def test_one_arena_serves_both_paths_of_a_branching_program():
     tape = assert_same_as_eager(lambda: LossBranch(0), lambda p, i: p.step(i), 12, key="arena-branch")
     program = tape._program
-    assert len(program.paths) == 2 == len(program.arena_plan.paths)  # each path replayed
+    assert len(program.paths) == 2 == len(program.arena_plan.paths)  # each path validated
     report = tape.report(optimize_seconds=2)
     assert len(report) == 2
     for row in report:

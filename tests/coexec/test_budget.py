@@ -39,11 +39,11 @@ def step(s, i):
     return loss
 
 
-def run_within(make, step, steps, budget, key, offload=None):
+def run_within(make, step, steps, budget, key, offload=None, arena=None):
     """Run under ``budget``; the measured peaks of the co-executed steps on planned paths
     (a step on a path no plan had seen may go over: it warns, and is counted in the stats)."""
     state = make()
-    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload)
+    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload, arena=arena)
     losses, peaks = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -59,26 +59,27 @@ def run_within(make, step, steps, budget, key, offload=None):
     return losses, [t.detach().clone() for t in tensors_of(state)], tape, peaks
 
 
-def run_at_floor(make, step, steps, budget, key, offload=None):
+def run_at_floor(make, step, steps, budget, key, offload=None, arena=None):
     """``run_within`` at a smallest budget found by an earlier run: with offloading, copy
     windows come from the times each run measures, and so does the floor, which may move
-    slightly (the error says so); recomputation alone must not move it. Returns the budget run
-    at, then what ``run_within`` returns."""
+    slightly (the error says so); recomputation alone must not move it. With the arena, how
+    tightly a plan's storages pack moves it too. Returns the budget run at, then what
+    ``run_within`` returns."""
     for attempt in range(3):
         try:
-            return (budget, *run_within(make, step, steps, budget, (key, attempt), offload))
+            return (budget, *run_within(make, step, steps, budget, (key, attempt), offload, arena))
         except BudgetTooSmall as e:
-            assert offload and "leave some headroom" in str(e) and e.smallest <= 1.01 * budget, e
+            assert (offload or arena) and "leave some headroom" in str(e) and e.smallest <= 1.01 * budget, e
             budget = e.smallest
     raise AssertionError("the smallest budget kept moving")
 
 
-def smallest_budget(make, step, steps, key, offload=None):
+def smallest_budget(make, step, steps, key, offload=None, arena=None):
     """The smallest feasible budget, as the error names it (raising it path by path)."""
     budget = 1
     for attempt in range(10):
         try:
-            run_within(make, step, steps, budget, (key, attempt), offload)
+            run_within(make, step, steps, budget, (key, attempt), offload, arena)
             return budget
         except BudgetTooSmall as e:
             assert e.smallest > budget
@@ -123,6 +124,25 @@ def test_at_the_smallest_feasible_budget_steps_recompute_stay_within_it_and_bit_
     assert len(peaks) >= 2 and max(peaks) <= budget
     assert tape.stats.recomputed_ops > 0
     assert tape.stats.planned_peak_bytes <= budget
+
+
+def test_under_a_budget_the_arena_is_planned_with_it_and_the_peak_is_exact():
+    """The arena is sized up front by the budget plan and counts whole: the measured device
+    bytes (persistent state, the arena, the storages outside it) equal the plan's to the byte.
+    Its cost: the arena is held whole while the first step's new optimizer state appears
+    beside it, so the smallest budget is somewhat higher than without it (never over it)."""
+    eager_losses, eager_state, _ = run(make, step, 6, False)
+    budget = smallest_budget(make, step, 6, "budget-arena-floor", arena=True)
+    budget, losses, state, tape, peaks = run_at_floor(make, step, 6, budget, "budget-arena", arena=True)
+    program = tape._program
+    plan = program.budget_plan
+    assert plan.arena is not None and program.arena.numel() == plan.arena.arena_bytes > 0
+    assert plan.arena.fragmentation < 0.1  # best fit over residency stretches
+    assert len(peaks) >= 2 and all(p == plan.planned_peak <= budget for p in peaks)
+    assert tape.stats.recomputed_ops > 0
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    without = smallest_budget(make, step, 6, "budget-no-arena-floor", arena=False)
+    assert without <= budget <= 1.15 * without  # here +10%: the arena placed over stretches fragments
 
 
 def test_debug_logs_what_the_budget_plan_does(capsys):

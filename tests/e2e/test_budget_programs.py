@@ -20,10 +20,10 @@ def has_dynamic_shapes(tape) -> bool:
     return any(schema_of(op.key.func).dynamic_shape for t in tape._program.paths for op in t.ops)
 
 
-def check_at_smallest_budget(make, step, steps, key, offload=None):
+def check_at_smallest_budget(make, step, steps, key, offload=None, arena=None):
     eager_losses, eager_state, _ = run(make, step, steps, False)
-    budget = smallest_budget(make, step, steps, key, offload)
-    budget, losses, state, tape, peaks = run_at_floor(make, step, steps, budget, (key, "final"), offload)
+    budget = smallest_budget(make, step, steps, key, offload, arena)
+    budget, losses, state, tape, peaks = run_at_floor(make, step, steps, budget, (key, "final"), offload, arena)
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
     if has_dynamic_shapes(tape):
@@ -56,3 +56,18 @@ def test_zoo_model_offloading_at_its_smallest_budget(name):
     if name == "gpt2-6l":
         assert tape.memory_budget < remat_only
         assert tape.stats.offloaded_storages > 0
+
+
+@pytest.mark.parametrize(
+    "name, offload",
+    [("resnet18", False), ("lstm-lm", True), pytest.param("gpt2-6l", True, marks=pytest.mark.slow)],
+)
+def test_zoo_model_with_the_arena_at_its_smallest_budget(name, offload):
+    """The arena planned with the budget: bit-equal, and every co-executed step holds at most
+    the planned bytes (persistent state, the whole arena, the storages outside it), and nearly
+    all of them (the plan counts the skeleton's sweep lag; values often go sooner)."""
+    make, step = lambda: ZOO[name](2), lambda z, i: z.step()
+    tape = check_at_smallest_budget(make, step, 5, ("budget-zoo-arena", name), offload, arena=True)
+    plan = tape._program.budget_plan
+    assert plan.arena is not None and tape._program.arena.numel() == plan.arena.arena_bytes
+    assert 0.99 * plan.planned_peak <= tape.stats.peak_bytes <= plan.planned_peak
