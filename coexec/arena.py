@@ -146,14 +146,15 @@ def _unhash(v: Any) -> Any:
 
 def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> bool:
     """Does ``func``'s ``out=`` variant write outputs laid out as ``outs`` (their metas)
-    without ever needing more bytes than they hold (as arena regions, which cannot grow)? Tried once on stand-in values (ones, zeros for
-    integers: valid indices) of the recorded shapes on the CPU, the RNG state kept, so that a
-    plan can tell which storages will really live in the arena before any step runs: some
-    kernels resize their output on the way (``mse_loss.out`` computes elementwise into it)."""
+    without ever needing more bytes than they hold (arena regions cannot grow)? Tried once on
+    stand-in values (ones; zeros for integers, valid indices) of the recorded shapes on the
+    CPU, the RNG state kept, so that a plan knows which storages will really live in the arena
+    before any step runs: some kernels grow their output on the way (``mse_loss.out`` computes
+    elementwise into it before reducing)."""
     from tracegraph.schema import DEFAULT, TENSOR_ARG, schema_of
 
     ov = out_variant(func)
-    if ov is None:
+    if ov is None or any(m.device.type != "cpu" for m in (*metas, *outs)):
         return False
     out_func, names = ov
     sch = schema_of(func)
@@ -175,10 +176,8 @@ def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> boo
             else:
                 v = _unhash(attr)
             kwargs[name] = v
-        if any(m.device.type != "cpu" for m in (*metas, *outs)):
-            return False
-        fixed = [torch.empty(0, dtype=m.dtype) for m in outs]  # grown by the kernel, no warning
-        kwargs.update(zip(names, fixed))
+        grown = [torch.empty(0, dtype=m.dtype) for m in outs]  # empty: kernels grow them quietly
+        kwargs.update(zip(names, grown))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             out_func(**kwargs)
     except (_Unknown, RuntimeError, TypeError, ValueError, IndexError):
@@ -187,7 +186,7 @@ def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> boo
     return all(
         tuple(f.shape) == tuple(m.shape) and tuple(f.stride()) == tuple(m.stride)
         and f.untyped_storage().nbytes() <= max(m.dtype.itemsize, _span(m))
-        for f, m in zip(fixed, outs)
+        for f, m in zip(grown, outs)
     )  # fmt: skip
 
 
