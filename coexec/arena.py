@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from executor import writes_in_place
+from executor import span_bytes, writes_in_place
 from planner import LOCAL, PlanningGraph
 from planner.arena import ArenaPlan, plan_arena
 from tracegraph import Cursor, Fetch, Trace, TraceGraph
@@ -185,12 +185,6 @@ def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> boo
     # as planned, and never larger on the way: an arena region cannot grow
     return all(
         tuple(f.shape) == tuple(m.shape) and tuple(f.stride()) == tuple(m.stride)
-        and f.untyped_storage().nbytes() <= max(m.dtype.itemsize, _span(m))
+        and f.untyped_storage().nbytes() <= max(m.dtype.itemsize, span_bytes(m.shape, m.stride, m.dtype))
         for f, m in zip(grown, outs)
     )  # fmt: skip
-
-
-def _span(m: Any) -> int:
-    if any(s == 0 for s in m.shape):
-        return 0
-    return (1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride))) * m.dtype.itemsize

@@ -132,7 +132,6 @@ class BudgetPlan:
             f"{self.seconds:.1f} s ({', '.join(methods)})"
         )
 
-
     def _arena_words(self) -> str:
         if self.arena is None:
             return ""

@@ -362,7 +362,7 @@ class Skeleton(Recorder):
         ov = out_variant(func)
         if ov is None:
             return None
-        plan, arena = self.session.arena
+        plan = self.session.arena[0]
         its = iterations(self.cursor.placed[rec.index][1])
         outs = []
         for k in range(n_ret):
@@ -371,7 +371,7 @@ class Skeleton(Recorder):
                 return None
             meta = node.out_metas[k]
             outs.append((offset, tuple(meta.shape), tuple(meta.stride), meta.dtype))
-        return (ov[0], ov[1], arena, tuple(outs))
+        return (ov[0], ov[1], tuple(outs))
 
     def storage_key(self, t: torch.Tensor) -> int | None:
         if isinstance(t, Placeholder):

@@ -31,11 +31,16 @@ class ResetPeak:
         self.arena = arena
 
 
+_ALLOCATED = -1
+_OLD_ARENA = -2
+
+
 class LiveBytes:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
-        # storage address -> [values on it, bytes, offset in the arena or -1]
+        # storage address -> [values on it, bytes, offset in the arena, or _ALLOCATED, or
+        # _OLD_ARENA: in an arena no longer attached]
         self._storages: dict[int, list[int]] = {}
         self.arena: torch.Tensor | None = None
         self._base = 0
@@ -44,25 +49,25 @@ class LiveBytes:
         self._starts: list[int] = []  # sorted arena offsets of live arena storages
         self._ends: dict[int, int] = {}  # offset -> end
 
-    def attach(self, arena: torch.Tensor) -> None:
-        """Use ``arena`` (a flat uint8 CPU tensor) from now on; it counts as live whole. The
-        regions of an earlier arena are forgotten (its values are counted as before: not)."""
+    def attach(self, arena: torch.Tensor | None) -> None:
+        """Use ``arena`` (a flat uint8 CPU tensor; None: none) from now on; it counts as live
+        whole. Values still in an earlier arena stay uncounted and no longer mark regions."""
         if arena is self.arena:
             return
+        for entry in self._storages.values():
+            if entry[2] >= 0:
+                entry[2] = _OLD_ARENA
         self.live -= self._size
         self.arena = arena
+        self._starts, self._ends = [], {}
+        if arena is None:
+            self._base, self._size, self._buffer = 0, 0, None
+            return
         self._base = arena.data_ptr()
         self._size = arena.numel()
         self._buffer = memoryview(arena.numpy())
-        self._starts, self._ends = [], {}
         self.live += self._size
         self.peak = max(self.peak, self.live)
-
-    def detach(self) -> None:
-        """No arena from now on (values still in the old one are not counted, as before)."""
-        self.live -= self._size
-        self.arena, self._base, self._size, self._buffer = None, 0, 0, None
-        self._starts, self._ends = [], {}
 
     def region(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor with a storage of its own over ``[offset, offset + nbytes)`` of the
@@ -113,7 +118,7 @@ class LiveBytes:
             bisect.insort(self._starts, offset)
             self._ends[offset] = offset + max(n, 1)
             return
-        self._storages[key] = [1, n, -1]
+        self._storages[key] = [1, n, _ALLOCATED]
         self.live += n
         if self.live > self.peak:
             self.peak = self.live
@@ -129,14 +134,21 @@ class LiveBytes:
         if entry[0] == 0:
             del self._storages[key]
             offset = entry[2]
-            if offset < 0:
+            if offset == _ALLOCATED:
                 self.live -= entry[1]
-            elif self._ends.get(offset) == offset + max(entry[1], 1) and key - self._base == offset:
+            elif offset >= 0:
                 del self._ends[offset]
                 self._starts.remove(offset)
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+
+def span_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
+    """Bytes from a tensor's first element to its last, as laid out by ``stride``."""
+    if any(s == 0 for s in shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
 
 
 def _ptr(t: torch.Tensor) -> int:

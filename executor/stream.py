@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .memory import LiveBytes, ResetPeak
+from .memory import LiveBytes, ResetPeak, span_bytes
 from .offload import HostPool, Offload, Offloads, Prefetch, Wait
 from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
@@ -63,8 +63,8 @@ class Run:
     op_index: int = -1
     location: Any = None
     keep_result: bool = False  # store the Python result (a fetch of a data-dependent op)
-    # write the outputs into the arena: (out_variant, out argument names, arena tensor,
-    # ((offset, shape, stride, dtype) per returned tensor))
+    # write the outputs into the step's arena (attached by ResetPeak): (out_variant, out
+    # argument names, ((offset, shape, stride, dtype) per returned tensor))
     arena_out: tuple | None = None
     grad_mode: bool = True  # grad mode when the op was issued: some kernels consult it
     recipe: bool = False  # keep it to recompute its outputs after a Drop (executor/remat.py)
@@ -175,10 +175,7 @@ class _Worker:
             elif type(ins) is HostPool:
                 self.offloads.size_pool(ins.nbytes, torch.cuda.is_available())
             elif type(ins) is ResetPeak:
-                if ins.arena is not None:
-                    self.memory.attach(ins.arena)
-                elif self.memory.arena is not None:
-                    self.memory.detach()
+                self.memory.attach(ins.arena)
                 self.memory.reset_peak()
             elif type(ins) is Restore:
                 if self.error is None:
@@ -326,14 +323,13 @@ class _Worker:
         that wants to resize its output fails instead of writing past the region; results
         that do not have the planned layout are discarded, and the op is not tried again.
         (A failed try writes only bytes that no live value holds.)"""
-        out_func, names, arena, outs = ins.arena_out
-        if out_func in _NOT_IN_PLACE:
-            return None
+        out_func, names, outs = ins.arena_out
         memory = self.memory
-        memory.attach(arena)
+        if out_func in _NOT_IN_PLACE or memory.arena is None:
+            return None
         spans = []
         for offset, shape, stride, dtype in outs:
-            n = _span_bytes(shape, stride, dtype)
+            n = span_bytes(shape, stride, dtype)
             if not memory.free(offset, n):
                 self.arena_misses += 1
                 return None
@@ -368,12 +364,6 @@ def writes_in_place(out_func: Any) -> bool | None:
 # their output differently, e.g. mse_loss.out) use the allocator
 _IN_PLACE: set = set()
 _NOT_IN_PLACE: set = set()
-
-
-def _span_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
-    if any(s == 0 for s in shape):
-        return 0
-    return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
 
 
 class Executor:

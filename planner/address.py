@@ -80,9 +80,9 @@ def greedy_offsets(
     conflicts = conflicts if conflicts is not None else conflict_pairs(spans)
     offsets: dict[int, int] = {}
     for sid in sorted(spans, key=lambda s: (-sizes[s], spans[s][0], s)):
-        size = _aligned(sizes[sid], alignment)
+        size = aligned(sizes[sid], alignment)
         taken = sorted(
-            (offsets[o], offsets[o] + _aligned(sizes[o], alignment))
+            (offsets[o], offsets[o] + aligned(sizes[o], alignment))
             for o in conflicts[sid] if o in offsets
         )
         off = 0
@@ -95,7 +95,11 @@ def greedy_offsets(
     return Placement(offsets, end, "greedy", time.perf_counter() - t0)
 
 
-def _aligned(n: int, a: int) -> int:
+ALIGNMENT = 64  # bytes: every arena offset is a multiple (what vectorised kernels expect)
+
+
+def aligned(n: int, a: int = ALIGNMENT) -> int:
+    """``n`` bytes rounded up to a multiple of ``a``."""
     return (n + a - 1) // a * a
 
 

@@ -15,11 +15,9 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from .address import Placement, greedy_offsets, optimal_offsets
+from .address import ALIGNMENT, Placement, aligned, conflict_pairs, greedy_offsets, live_peak, optimal_offsets
 from .graph import LOCAL, PlanningGraph
 from .simulate import check_stretches, replay
-
-ALIGNMENT = 64
 
 Stretches = dict[int, list[tuple[int, int]]]  # sid -> [first, last] positions it is resident
 
@@ -36,10 +34,6 @@ class ArenaPlan:
     @property
     def fragmentation(self) -> float:
         return self.arena_bytes / self.local_peak - 1 if self.local_peak else 0.0
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
 def plan_arena(
@@ -67,29 +61,16 @@ def plan_arena(
             sid for sid, s in g.storages.items()
             if s.kind == LOCAL and s.nbytes > 0 and sid in keys and resident.get(sid)
         ]  # fmt: skip
-        items = []
+        stretch_spans = {}  # (key, j) -> the j-th stretch of the storage with that key
         for sid in local:
             k = keys[sid]
-            sizes[k] = max(sizes.get(k, 0), _aligned(g.storages[sid].nbytes))
+            sizes[k] = max(sizes.get(k, 0), aligned(g.storages[sid].nbytes))
             conflicts.setdefault(k, set())
-            items.extend((a, b, k) for a, b in resident[sid])
+            stretch_spans.update(((k, j), iv) for j, iv in enumerate(resident[sid]))
             spans.setdefault(k, (resident[sid][0][0], resident[sid][-1][1]))
-        items.sort(key=lambda x: (x[0], x[1]))
-        active: list[tuple[int, Hashable]] = []
-        delta: dict[int, int] = {}
-        for a, b, k in items:
-            active = [(last, o) for last, o in active if last >= a]
-            for _last, o in active:
-                if o != k:
-                    conflicts[k].add(o)
-                    conflicts[o].add(k)
-            active.append((b, k))
-            delta[a] = delta.get(a, 0) + sizes[k]
-            delta[b + 1] = delta.get(b + 1, 0) - sizes[k]
-        live = 0
-        for t in sorted(delta):
-            live += delta[t]
-            local_peak = max(local_peak, live)
+        for (k, _j), others in conflict_pairs(stretch_spans).items():
+            conflicts[k].update(o for o, _ in others if o != k)
+        local_peak = max(local_peak, live_peak(stretch_spans, {item: sizes[item[0]] for item in stretch_spans}))
         per_path.append((g, keys, {sid: resident[sid] for sid in local}))
     placement = greedy_offsets(spans, sizes, conflicts, alignment=ALIGNMENT)
     if optimize_seconds > 0 and placement.arena_bytes > local_peak and len(paths) == 1 and stretches is None:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .address import Placement, conflict_pairs, greedy_offsets, live_peak, optimal_offsets
+from .address import ALIGNMENT, Placement, aligned, conflict_pairs, greedy_offsets, live_peak, optimal_offsets
 from .graph import LOCAL, PlanningGraph
 from .order import OrderResult, greedy_order, optimal_order
 from .simulate import replay
 
-ALIGNMENT = 64  # bytes: every arena offset is a multiple (what vectorised kernels expect)
 
 
 @dataclass
@@ -54,10 +53,6 @@ class Plan:
         }
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
-
-
 def plan_graph(g: PlanningGraph, time_limit: float = 30.0, optimize: bool = True) -> Plan:
     """Plan ``g`` within about ``time_limit`` seconds (split between order and addresses)."""
     t0 = time.perf_counter()
@@ -73,7 +68,7 @@ def plan_graph(g: PlanningGraph, time_limit: float = 30.0, optimize: bool = True
         for sid, iv in replay(g, best.order).intervals.items()
         if g.storages[sid].kind == LOCAL and g.storages[sid].nbytes > 0
     }
-    sizes = {sid: _aligned(g.storages[sid].nbytes) for sid in spans}
+    sizes = {sid: aligned(g.storages[sid].nbytes) for sid in spans}
     conflicts = conflict_pairs(spans)
     placement = greedy_offsets(spans, sizes, conflicts, alignment=ALIGNMENT)
     local_peak = live_peak(spans, sizes)

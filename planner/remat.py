@@ -38,7 +38,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arena import ALIGNMENT
+from .address import aligned
 from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph, longest_gap, needed_at
 from .offload import Bandwidth, OffloadCandidate, channel_shares, offload_candidates, predict_seconds
 
@@ -450,7 +450,7 @@ def _sizer(g: PlanningGraph, placed: frozenset | None) -> Callable[[int], int]:
     """A storage's bytes as a plan counts them: placed ones as the arena holds them (aligned)."""
     if not placed:
         return lambda sid: g.storages[sid].nbytes
-    return lambda sid: -(-g.storages[sid].nbytes // ALIGNMENT) * ALIGNMENT if sid in placed else g.storages[sid].nbytes
+    return lambda sid: aligned(g.storages[sid].nbytes) if sid in placed else g.storages[sid].nbytes
 
 
 def split_peaks(g: PlanningGraph, order: list[int], segments: dict, placed: frozenset) -> tuple[int, int]:
@@ -573,7 +573,6 @@ class _Model:
         g, order = p.g, p.order
         n = len(order)
         fixed = [g.ops[order[t]].workspace for t in range(n)]
-        delta = [0] * (n + 1)
         cascade = _Cascade(cands, max(MIN_SPAN, MAX_CASCADE_PAIRS // max(1, len(cands))))
         self.cascades.append(cascade)
         if cascade.truncated:
@@ -934,10 +933,10 @@ def plan_remat_paths(
         method, chosen = "lowest-peak", keys
     plans = []
     spent = time.perf_counter() - t0
-    assert bound_of(paths, _replays(paths, per, offs, chosen)) <= budget, "a remat plan over its budget (planner bug)"
-    for p, cands, os, base in zip(paths, per, offs, bases):
+    reps = _replays(paths, per, offs, chosen)
+    assert bound_of(paths, reps) <= budget, "a remat plan over its budget (planner bug)"
+    for p, cands, os, base, rep in zip(paths, per, offs, bases, reps):
         dropped, offloaded = _chosen(p, cands, os, chosen)
-        rep = remat_replay(p.g, p.order, dropped, offloaded)
         plans.append(
             RematPlan(
                 p.order, dropped, rep.peak, base.peak, budget, rep.extra_seconds, method, spent, gap,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from executor import Drop, Free, HostPool, Offload, Prefetch, Run, Wait
+from executor import Drop, Free, HostPool, Offload, Prefetch, ResetPeak, Run, Wait
 from tests.executor.test_recompute import V, run
 
 aten = torch.ops.aten
@@ -16,13 +16,15 @@ N = 256 * 256 * 4  # bytes of a 256x256 float tensor
 def into(arena: torch.Tensor, func, out_func, *args, outs, offset: int, recipe: bool = False) -> Run:
     """``run(func, ...)`` with its output planned at ``offset`` of ``arena`` (through ``out_func``)."""
     ins = run(func, *args, outs=outs, recipe=recipe)
-    ins.arena_out = (out_func, ("out",), arena, ((offset, (256, 256), (256, 1), torch.float32),))
+    ins.arena_out = (out_func, ("out",), ((offset, (256, 256), (256, 1), torch.float32),))
     return ins
 
 
 def warm(ex, arena: torch.Tensor, func, out_func) -> None:
-    """The first use of an out= overload in a process is checked into the allocator: get it
-    over with (the result, wherever it went, is freed)."""
+    """A step begins with ``arena`` attached (as the skeleton's session does), and the first
+    use of an out= overload in a process is tried once (the result, wherever it went, is
+    freed)."""
+    ex.submit(ResetPeak(arena))
     ex.submit(into(arena, func, out_func, torch.ones(256, 256), outs=[99], offset=0))
     ex.submit(Free((99,)))
     ex.drain(10)
