@@ -9,6 +9,8 @@ the op's ``out=`` variant, into a view of the arena at the planned offset.
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Hashable
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch
 
 from executor import span_bytes, writes_in_place
 from planner import LOCAL, PlanningGraph
+from planner.graph import needed_at
 from planner.arena import ArenaPlan, plan_arena
 from tracegraph import Cursor, Fetch, Trace, TraceGraph
 from tracegraph.structure import in_order
@@ -47,16 +50,37 @@ def path_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> tuple[dict[i
     return keys, op_keys
 
 
-def plan_program_arena(graph: TraceGraph, traces: list[Trace]) -> ArenaPlan | None:
-    """The arena over every observed path for the storages ops will write in place."""
-    paths = []
+# the skeleton sweeps for dead placeholders every SWEEP_EVERY submissions, so a value may
+# outlive its last tensor by that many ops: plans count it (arena and budget alike)
+SWEEP_EVERY = 4
+
+
+def lagged(g: PlanningGraph, lag: int = SWEEP_EVERY) -> PlanningGraph:
+    """``g`` with every storage released ``lag`` ops later: the skeleton learns that a tensor
+    is gone only when it next sweeps (coexec/skeleton.py, ``Session.sweep``), so its value
+    lives on until then, and a plan that reuses its bytes earlier finds them taken."""
+    n = len(g)
+    for s in g.storages.values():
+        if s.release is not None:
+            s.release = min(n - 1, s.release + lag)
+    return g
+
+
+def plan_program_arena(graph: TraceGraph, traces: list[Trace], lag: int = SWEEP_EVERY) -> ArenaPlan | None:
+    """The arena over every observed path for the storages ops will write in place. Each is
+    resident from its producer until the executor frees it: when the program let go of its
+    last tensor (in the trace), ``lag`` ops later (see :func:`lagged`), or at its last use if
+    that comes later; not at its last use alone, or the next op planned over its bytes would
+    find them taken and use the allocator, on top of the arena."""
+    paths, resident = [], []
     for t in traces:
-        g = PlanningGraph.from_trace(t)
+        g = lagged(PlanningGraph.from_trace(t), lag)
         ok = placeable_storages(g, t)
         paths.append((g, {sid: k for sid, k in path_keys(graph, t, g)[0].items() if sid in ok}))
+        resident.append({sid: [(ps[0], ps[-1])] for sid, ps in needed_at(g, list(range(len(g)))).items()})
     if not paths:
         return None
-    return plan_arena(paths)
+    return plan_arena(paths, stretches=resident)
 
 
 _PROBED: dict = {}  # (func, attrs, input metas, output metas) -> probe_out_variant's answer
@@ -144,30 +168,47 @@ def _unhash(v: Any) -> Any:
     return v
 
 
+_BINDINGS = (torch._C._VariableFunctions, torch._C._nn, torch._C._linalg, torch._C._special, torch._C._fft)
+
+
+def _python_binding(func: Any) -> Any | None:
+    """``torch``'s Python binding of an ATen op: unlike the ``torch.ops`` overload, a call
+    through it turns the kernel's C++ warnings into Python ones that a probe can see."""
+    name = func._schema.name.split("::")[-1]
+    return next((getattr(m, name) for m in _BINDINGS if hasattr(m, name)), None)
+
+
 def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> bool:
-    """Does ``func``'s ``out=`` variant write outputs laid out as ``outs`` (their metas)
-    without ever needing more bytes than they hold (arena regions cannot grow)? Tried once on
-    stand-in values (ones; zeros for integers, valid indices) of the recorded shapes on the
-    CPU, the RNG state kept, so that a plan knows which storages will really live in the arena
-    before any step runs: some kernels grow their output on the way (``mse_loss.out`` computes
-    elementwise into it before reducing)."""
-    from tracegraph.schema import DEFAULT, TENSOR_ARG, schema_of
+    """Does ``func``'s ``out=`` variant write outputs laid out as ``outs`` (their metas) into
+    regions of exactly their bytes, as the executor hands them (a fixed-size storage each),
+    without resizing them on the way? Tried once on stand-in values (ones; zeros for integers,
+    valid indices) of the recorded shapes on the CPU, the RNG state kept, so that a plan knows
+    which storages will really live in the arena before any step runs. Some kernels reshape
+    their output on the way (``mse_loss.out`` computes elementwise into it before reducing):
+    they fail on a larger input and warn on every call otherwise, so a warning is a no."""
+    from tracegraph.schema import DEFAULT, TENSOR_ARG
 
     ov = out_variant(func)
     if ov is None or any(m.device.type != "cpu" for m in (*metas, *outs)):
         return False
     out_func, names = ov
-    sch = schema_of(func)
+    sch = func._schema
     tensors = iter(metas)
 
     def stand_in(m: Any) -> torch.Tensor:
         t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
         return t.zero_() if not (m.dtype.is_floating_point or m.dtype.is_complex) else t.fill_(1)
 
+    def region(m: Any) -> torch.Tensor:
+        n = max(span_bytes(m.shape, m.stride, m.dtype), m.dtype.itemsize)
+        raw = torch.frombuffer(bytearray(n), dtype=torch.uint8)
+        return raw.view(m.dtype)[: n // m.dtype.itemsize].as_strided(m.shape, m.stride)
+
     try:
-        kwargs = {}
-        for name, attr in zip(sch.arg_names, attrs):
+        named, positional, skipped, gap = {}, [], False, False
+        for arg, attr in zip(sch.arguments, attrs):
             if attr is DEFAULT:
+                skipped = skipped or not arg.kwarg_only
                 continue
             if attr is TENSOR_ARG:
                 v = stand_in(next(tensors))
@@ -175,16 +216,29 @@ def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> boo
                 v = [stand_in(next(tensors)) if x is TENSOR_ARG else _unhash(x) for x in attr]
             else:
                 v = _unhash(attr)
-            kwargs[name] = v
-        grown = [torch.empty(0, dtype=m.dtype) for m in outs]  # empty: kernels grow them quietly
-        kwargs.update(zip(names, grown))
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            out_func(**kwargs)
+            named[arg.name] = v
+            if not arg.kwarg_only:
+                gap = gap or skipped  # a positional after a defaulted one: by name only
+                positional.append(v)
+        placed = [region(m) for m in outs]
+        binding = None if gap else _python_binding(func)
+        kwarg_only = {a.name: named[a.name] for a in sch.arguments if a.kwarg_only and a.name in named}
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                if binding is None:
+                    raise TypeError("no Python binding")
+                binding(*positional, **kwarg_only, out=placed[0] if len(placed) == 1 else tuple(placed))
+            except TypeError:
+                # the overload, whose C++ warnings stay in C++: empty outputs, which kernels
+                # grow without a warning, and a check that they never grew past the plan
+                placed = [torch.empty(0, dtype=m.dtype) for m in outs]
+                out_func(**named, **dict(zip(names, placed)))
+                if any(f.untyped_storage().nbytes() > max(m.dtype.itemsize, span_bytes(m.shape, m.stride, m.dtype))
+                       for f, m in zip(placed, outs)):  # fmt: skip
+                    return False
     except (_Unknown, RuntimeError, TypeError, ValueError, IndexError):
         return False
-    # as planned, and never larger on the way: an arena region cannot grow
-    return all(
-        tuple(f.shape) == tuple(m.shape) and tuple(f.stride()) == tuple(m.stride)
-        and f.untyped_storage().nbytes() <= max(m.dtype.itemsize, span_bytes(m.shape, m.stride, m.dtype))
-        for f, m in zip(grown, outs)
-    )  # fmt: skip
+    return not warned and all(
+        tuple(f.shape) == tuple(m.shape) and tuple(f.stride()) == tuple(m.stride) for f, m in zip(placed, outs)
+    )

@@ -38,11 +38,8 @@ from planner.remat import (
 )
 from tracegraph import Trace, TraceGraph
 
-from .arena import path_keys, placeable_storages
+from .arena import lagged, path_keys, placeable_storages
 
-# the skeleton sweeps for dead placeholders every SWEEP_LAG submissions under a budget, so a
-# value may outlive its tensor by that many ops: the plan counts it
-SWEEP_LAG = 4
 # plans with an arena: how often the budget the storages are planned to is lowered by what the
 # arena's fragmentation and the storages outside it add, before the smallest plan is tried
 ARENA_ROUNDS = 4
@@ -138,14 +135,6 @@ class BudgetPlan:
         return f"arena {format_bytes(self.arena.arena_bytes)} ({100 * self.arena.fragmentation:.1f}% fragmentation); "
 
 
-def _lagged(g: PlanningGraph, lag: int) -> PlanningGraph:
-    n = len(g)
-    for s in g.storages.values():
-        if s.release is not None:
-            s.release = min(n - 1, s.release + lag)
-    return g
-
-
 def plan_program_budget(
     graph: TraceGraph,
     traces: list[Trace],
@@ -165,7 +154,7 @@ def plan_program_budget(
     t0 = time.perf_counter()
     paths, storage_keys = [], []
     for trace in traces:
-        g = _lagged(PlanningGraph.from_trace(trace), SWEEP_LAG)
+        g = lagged(PlanningGraph.from_trace(trace))
         skeys, op_keys = path_keys(graph, trace, g)
         paths.append(RematPath(g, list(range(len(g))), op_keys))
         storage_keys.append(skeys)
@@ -175,13 +164,16 @@ def plan_program_budget(
         placeable = [placeable_storages(p.g, t) for p, t in zip(paths, traces)]
         for p, ok in zip(paths, placeable):
             p.placed = frozenset(ok)
-    banned: set = set()
+    # offloading may add to recomputation, never take away: where its plan lands higher (the
+    # time limit, paths disagreeing on where copies land), recomputation alone is the plan
+    options = [bandwidth] if bandwidth is None else [bandwidth, None]
+    bans: dict = {bw: set() for bw in options}  # decisions paths disagree on, per option
 
-    def fit(b: int) -> tuple:
+    def fit(b: int, bw: Bandwidth | None) -> tuple:
         """Plans, with their arena and its bound, that meet budget ``b``, or BudgetTooSmall."""
         target = b
         for _ in range(ARENA_ROUNDS if arena else 1):
-            agreed = _agreed_plans(paths, storage_keys, target, time_limit, banned, bandwidth)
+            agreed = _agreed_plans(paths, storage_keys, target, time_limit, bans[bw], bw)
             if not arena:
                 return agreed, (None, None)
             arena_plan, bound = _place(paths, storage_keys, agreed[0], placeable)
@@ -190,24 +182,33 @@ def plan_program_budget(
             target -= 2 * (bound - b)  # what placement added (fragmentation): plan tighter, with room
         raise BudgetTooSmall(b, b + 1)
 
-    try:
-        (plans, drop_at, moved_at), (arena_plan, bound) = fit(budget)
-    except BudgetTooSmall as e:
-        smallest, floor = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, banned, bandwidth)
-        if not arena or floor is None:
-            raise BudgetTooSmall(budget, smallest, e.detail) from None
-        # the plan reaching the storages' smallest bound (the solver sized the arena with
-        # them), placed: a budget of the bound it then needs (alignment, fragmentation) plans,
-        # with this plan
-        (plans, drop_at, moved_at), (arena_plan, bound) = floor, _place(paths, storage_keys, floor[0], placeable)
-        if bound > budget:
-            detail = (
-                f"with the arena ({format_bytes(arena_plan.arena_bytes)}, "
-                f"{100 * arena_plan.fragmentation:.1f}% fragmentation) and the storages outside it; "
-                "how tightly the arena packs varies a little between plans: leave some headroom"
-            )
-            detail = f"{e.detail}; {detail}" if e.detail else detail
-            raise BudgetTooSmall(budget, bound, detail) from None
+    def floor(bw: Bandwidth | None, e: BudgetTooSmall) -> tuple:
+        """The smallest budget that plans with copy bandwidth ``bw``, its detail, and (with an
+        arena) the plan reaching it with its arena: the solver sized the arena with the
+        storages' smallest bound, and placing it (alignment, fragmentation) sets the budget."""
+        smallest, lowest = _agreed_smallest(paths, storage_keys, e.smallest, time_limit, bans[bw], bw)
+        if not arena or lowest is None:
+            return smallest, e.detail, None
+        placed = _place(paths, storage_keys, lowest[0], placeable)
+        detail = (
+            f"with the arena ({format_bytes(placed[0].arena_bytes)}, "
+            f"{100 * placed[0].fragmentation:.1f}% fragmentation) and the storages outside it; "
+            "how tightly the arena packs varies a little between plans: leave some headroom"
+        )
+        return placed[1], f"{e.detail}; {detail}" if e.detail else detail, (lowest, placed)
+
+    failures = []
+    for bw in options:
+        try:
+            (plans, drop_at, moved_at), (arena_plan, bound) = fit(budget, bw)
+            break
+        except BudgetTooSmall as e:
+            failures.append((bw, e))
+    else:
+        smallest, detail, lowest = min((floor(bw, e) for bw, e in failures), key=lambda f: f[0])
+        if lowest is None or smallest > budget:
+            raise BudgetTooSmall(budget, smallest, detail) from None
+        (plans, drop_at, moved_at), (arena_plan, bound) = lowest
     out = BudgetPlan(budget, seconds=time.perf_counter() - t0, arena=arena_plan, arena_bound=bound)
     out.signatures = {tuple(p.keys) for p in paths}
     for path, plan in zip(paths, plans):

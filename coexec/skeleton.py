@@ -27,7 +27,7 @@ from executor import (
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
 from tracegraph.schema import TensorMeta, schema_of
 
-from .arena import is_arena_backed, iterations, out_variant
+from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
 from .errors import ValueLostError
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
@@ -47,8 +47,6 @@ class Session:
     sweeps now and then, freeing the values whose tensors are gone.
     """
 
-    SWEEP_EVERY = 16  # submissions between sweeps
-
     def __init__(self, executor: Executor, timeout: float, arena: Any = None, remat: Any = None) -> None:
         self.executor = executor
         self.timeout = timeout
@@ -61,14 +59,9 @@ class Session:
         self.produced_at: dict[int, int] = {}  # trace value id -> executor position
         self.open = True
         self.stall_seconds = 0.0  # time the skeleton spent waiting on the executor
-        self.sweep_every = self.SWEEP_EVERY
-        if remat is not None:
-            from .budget import SWEEP_LAG
-
-            self.sweep_every = SWEEP_LAG  # the plan counts on values freed this promptly
-            if remat.host_bytes:
-                executor.submit(HostPool(remat.host_bytes))
-        self._until_sweep = self.sweep_every
+        if remat is not None and remat.host_bytes:
+            executor.submit(HostPool(remat.host_bytes))
+        self._until_sweep = SWEEP_EVERY  # plans count on values freed this promptly
         executor.submit(ResetPeak(arena[1] if arena is not None else None))
 
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
@@ -86,17 +79,17 @@ class Session:
 
     def sweep(self) -> tuple:
         """Forget the placeholders whose tensors are gone; their executor value ids."""
-        dead, alive = [], []
-        for entry in self.tracked:
-            (dead if entry[2].expired() else alive).append(entry)
-        self.tracked = alive
+        dead = [e for e in self.tracked if e[2].expired()]
+        if dead:  # (by identity: a tensor that dies meanwhile waits for the next sweep)
+            gone = {id(e) for e in dead}
+            self.tracked = [e for e in self.tracked if id(e) not in gone]
         return tuple(self.base + e[0] for e in dead)
 
     def submit(self, ins: Any) -> int:
         position = self.executor.submit(ins)
         self._until_sweep -= 1
         if self._until_sweep <= 0:
-            self._until_sweep = self.sweep_every
+            self._until_sweep = SWEEP_EVERY
             dead = self.sweep()
             if dead:
                 self.executor.submit(Free(dead))

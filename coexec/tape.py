@@ -122,7 +122,6 @@ class Program:
         from planner import InvalidPlan
 
         from .arena import plan_program_arena
-
         try:
             plan = plan_program_arena(self.graph, self.paths)
         except InvalidPlan as e:

@@ -74,11 +74,12 @@ def test_a_tensor_kept_past_its_last_use_makes_the_allocator_step_in():
         x, y = s.data[i % 3]
         s.opt.zero_grad()
         first = s.model[0](x)
-        held = first * 1.0  # planned to die at its last use below...
+        held = first * 1.0  # planned to die when Python lets go of it, right below...
         h = s.model[2](s.model[1](held))
-        loss = F.mse_loss(s.model[4](s.model[3](h)), y)
         if i >= 5:
             s.kept.append(held)  # ...but from step 5 on Python keeps it: its bytes stay taken
+        del held
+        loss = F.mse_loss(s.model[4](s.model[3](h)), y)
         loss.backward()
         s.opt.step()
         return loss
@@ -117,3 +118,37 @@ def test_a_plan_the_simulator_rejects_is_never_executed(monkeypatch):
         tape = assert_same_as_eager(make, step, 6, key="arena-planted")
     assert tape._program.arena_plan is None and tape._program.arena is None
     assert ex.arena_hits == hits0  # nothing was written to an arena
+
+
+def _probe(fn, *inputs):
+    """probe_out_variant's answer for the one op ``fn`` records."""
+    from coexec.arena import probe_out_variant
+    from tracegraph import record
+
+    with record() as trace:
+        fn(*inputs)
+    (rec,) = trace.ops
+    outs = tuple(trace.values[v].meta for v in rec.outputs)
+    return probe_out_variant(rec.func, rec.key.attrs, rec.key.metas, outs)
+
+
+def test_an_op_whose_out_variant_reshapes_its_output_on_the_way_stays_out_of_the_arena():
+    # mse_loss.out writes the elementwise loss into its output, then reduces it: a region of
+    # the planned bytes cannot hold that (batch 4) or is resized with a warning (batch 1)
+    for n in (1, 4):
+        assert not _probe(F.mse_loss, torch.randn(n, 1), torch.randn(n, 1))
+    assert _probe(torch.mm, torch.randn(3, 4), torch.randn(4, 5))
+    assert _probe(torch.max, torch.randn(3, 4), 1)  # two outputs, through the Python binding
+    assert _probe(torch.add, torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_co_executed_steps_of_a_one_element_loss_print_no_resize_warning(capfd):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    x, y = torch.randn(1, 8), torch.randn(1, 1)
+    tape = coexec.GradientTape(key="arena-one-element-loss")
+    for _ in range(5):
+        with tape:
+            F.mse_loss(model(x), y).backward()
+    assert tape.stats.coexec_steps >= 2
+    assert "resized" not in capfd.readouterr().err
