@@ -19,7 +19,7 @@ import torch
 from executor import span_bytes, writes_in_place
 from planner import LOCAL, PlanningGraph
 from planner.graph import needed_at
-from planner.arena import ArenaPlan, plan_arena
+from planner.arena import ArenaPlan, plan_arena, select_placed
 from tracegraph import Cursor, Fetch, Trace, TraceGraph
 from tracegraph.structure import in_order
 
@@ -80,6 +80,10 @@ def plan_program_arena(graph: TraceGraph, traces: list[Trace], lag: int = SWEEP_
         resident.append({sid: [(ps[0], ps[-1])] for sid, ps in needed_at(g, list(range(len(g)))).items()})
     if not paths:
         return None
+    # the arena is held whole: only what lowers the step's total goes in, an op's outputs
+    # together (storage keys are (node, output, iterations))
+    chosen = select_placed([(g, keys, r) for (g, keys), r in zip(paths, resident)], unit=lambda k: (k[0], k[2]))
+    paths = [(g, {sid: k for sid, k in keys.items() if k in chosen}) for g, keys in paths]
     return plan_arena(paths, stretches=resident)
 
 
