@@ -103,6 +103,21 @@ def aligned(n: int, a: int = ALIGNMENT) -> int:
     return (n + a - 1) // a * a
 
 
+def refined(
+    placement: Placement, spans: dict, sizes: dict, conflicts: dict, time_limit: float
+) -> Placement:
+    """``placement``, or the one :func:`optimal_offsets` finds within ``time_limit`` if it ends
+    lower. Solved in units of :data:`ALIGNMENT` (``sizes`` are multiples of it), so every offset
+    stays aligned."""
+    units = {k: n // ALIGNMENT for k, n in sizes.items()}
+    better = optimal_offsets(spans, units, time_limit=time_limit, conflicts=conflicts)
+    if better.arena_bytes * ALIGNMENT >= placement.arena_bytes:
+        return placement
+    better.offsets = {k: o * ALIGNMENT for k, o in better.offsets.items()}
+    better.arena_bytes *= ALIGNMENT
+    return better
+
+
 def pyramid(spans: dict[int, Interval], sizes: dict[int, int]) -> dict[int, int]:
     """OLLA Function 5: nested lifetimes (the activations a backward frees in reverse) placed
     at increasing addresses, longest first."""

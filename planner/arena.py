@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .address import ALIGNMENT, Placement, aligned, conflict_pairs, greedy_offsets, live_peak, optimal_offsets
+from .address import ALIGNMENT, Placement, aligned, conflict_pairs, greedy_offsets, live_peak, refined
 from .graph import LOCAL, PlanningGraph
 from .simulate import check_stretches, replay
 
@@ -76,12 +76,7 @@ def plan_arena(
         per_path.append((g, keys, {sid: resident[sid] for sid in local}))
     placement = greedy_offsets(spans, sizes, conflicts, alignment=ALIGNMENT)
     if optimize_seconds > 0 and placement.arena_bytes > local_peak and len(paths) == 1 and stretches is None:
-        units = {k: n // ALIGNMENT for k, n in sizes.items()}
-        better = optimal_offsets(spans, units, time_limit=optimize_seconds, conflicts=conflicts)
-        if better.arena_bytes * ALIGNMENT < placement.arena_bytes:
-            better.offsets = {k: o * ALIGNMENT for k, o in better.offsets.items()}
-            better.arena_bytes *= ALIGNMENT
-            placement = better
+        placement = refined(placement, spans, sizes, conflicts, optimize_seconds)
     plan = ArenaPlan(placement.offsets, sizes, placement.arena_bytes, placement, local_peak=local_peak)
     for g, keys, resident in per_path:  # every path must replay without overlap
         offsets = {sid: placement.offsets[keys[sid]] for sid in resident}

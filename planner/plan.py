@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .address import ALIGNMENT, Placement, aligned, conflict_pairs, greedy_offsets, live_peak, optimal_offsets
+from .address import ALIGNMENT, Placement, aligned, conflict_pairs, greedy_offsets, live_peak, refined
 from .graph import LOCAL, PlanningGraph
 from .order import OrderResult, greedy_order, optimal_order
 from .simulate import replay
@@ -73,13 +73,7 @@ def plan_graph(g: PlanningGraph, time_limit: float = 30.0, optimize: bool = True
     placement = greedy_offsets(spans, sizes, conflicts, alignment=ALIGNMENT)
     local_peak = live_peak(spans, sizes)
     if optimize and placement.arena_bytes > local_peak:
-        # solved in units of the alignment, so every offset stays aligned
-        units = {sid: n // ALIGNMENT for sid, n in sizes.items()}
-        better = optimal_offsets(spans, units, time_limit=0.3 * time_limit, conflicts=conflicts)
-        if better.arena_bytes * ALIGNMENT < placement.arena_bytes:
-            better.offsets = {sid: o * ALIGNMENT for sid, o in better.offsets.items()}
-            better.arena_bytes *= ALIGNMENT
-            placement = better
+        placement = refined(placement, spans, sizes, conflicts, 0.3 * time_limit)
     result = replay(g, best.order, placement.offsets, arena_bytes=placement.arena_bytes)
     return Plan(
         order=best.order,
