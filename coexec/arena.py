@@ -10,16 +10,15 @@ the op's ``out=`` variant, into a view of the arena at the planned offset.
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from executor import span_bytes, writes_in_place
+from executor import laid_out, span_bytes, writes_in_place
 from planner import LOCAL, PlanningGraph
-from planner.graph import needed_at
 from planner.arena import ArenaPlan, plan_arena, select_placed
+from planner.remat import remat_replay
 from tracegraph import Cursor, Fetch, Trace, TraceGraph
 from tracegraph.structure import in_order
 
@@ -55,29 +54,30 @@ def path_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> tuple[dict[i
 SWEEP_EVERY = 4
 
 
-def lagged(g: PlanningGraph, lag: int = SWEEP_EVERY) -> PlanningGraph:
-    """``g`` with every storage released ``lag`` ops later: the skeleton learns that a tensor
-    is gone only when it next sweeps (coexec/skeleton.py, ``Session.sweep``), so its value
-    lives on until then, and a plan that reuses its bytes earlier finds them taken."""
+def lagged(g: PlanningGraph) -> PlanningGraph:
+    """``g`` with every storage released :data:`SWEEP_EVERY` ops later: the skeleton learns
+    that a tensor is gone only when it next sweeps (coexec/skeleton.py, ``Session.sweep``), so
+    its value lives on until then, and a plan that reuses its bytes earlier finds them taken."""
     n = len(g)
     for s in g.storages.values():
         if s.release is not None:
-            s.release = min(n - 1, s.release + lag)
+            s.release = min(n - 1, s.release + SWEEP_EVERY)
     return g
 
 
-def plan_program_arena(graph: TraceGraph, traces: list[Trace], lag: int = SWEEP_EVERY) -> ArenaPlan | None:
+def plan_program_arena(graph: TraceGraph, traces: list[Trace]) -> ArenaPlan | None:
     """The arena over every observed path for the storages ops will write in place. Each is
-    resident from its producer until the executor frees it: when the program let go of its
-    last tensor (in the trace), ``lag`` ops later (see :func:`lagged`), or at its last use if
-    that comes later; not at its last use alone, or the next op planned over its bytes would
-    find them taken and use the allocator, on top of the arena."""
+    resident from its producer until the executor frees it, as a budget plan that drops nothing
+    has it (``remat_replay``'s segments): when the program let go of its last tensor (in the
+    trace) plus the sweep lag (:func:`lagged`), or its last use if later; not at its last use
+    alone, or the next op planned over its bytes would find them taken and use the allocator,
+    on top of the arena."""
     paths, resident = [], []
     for t in traces:
-        g = lagged(PlanningGraph.from_trace(t), lag)
+        g = lagged(PlanningGraph.from_trace(t))
         ok = placeable_storages(g, t)
         paths.append((g, {sid: k for sid, k in path_keys(graph, t, g)[0].items() if sid in ok}))
-        resident.append({sid: [(ps[0], ps[-1])] for sid, ps in needed_at(g, list(range(len(g)))).items()})
+        resident.append(remat_replay(g, list(range(len(g))), []).segments)
     if not paths:
         return None
     # the arena is held whole: only what lowers the step's total goes in, an op's outputs
@@ -203,10 +203,11 @@ def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> boo
         t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
         return t.zero_() if not (m.dtype.is_floating_point or m.dtype.is_complex) else t.fill_(1)
 
+    def nbytes(m: Any) -> int:  # as the executor's region for it holds
+        return max(span_bytes(m.shape, m.stride, m.dtype), m.dtype.itemsize)
+
     def region(m: Any) -> torch.Tensor:
-        n = max(span_bytes(m.shape, m.stride, m.dtype), m.dtype.itemsize)
-        raw = torch.frombuffer(bytearray(n), dtype=torch.uint8)
-        return raw.view(m.dtype)[: n // m.dtype.itemsize].as_strided(m.shape, m.stride)
+        return laid_out(torch.frombuffer(bytearray(nbytes(m)), dtype=torch.uint8), m.shape, m.stride, m.dtype)
 
     try:
         named, positional, skipped, gap = {}, [], False, False
@@ -230,16 +231,17 @@ def probe_out_variant(func: Any, attrs: tuple, metas: tuple, outs: tuple) -> boo
         with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
             try:
-                if binding is None:
-                    raise TypeError("no Python binding")
-                binding(*positional, **kwarg_only, out=placed[0] if len(placed) == 1 else tuple(placed))
-            except TypeError:
+                called = binding is not None
+                if called:
+                    binding(*positional, **kwarg_only, out=placed[0] if len(placed) == 1 else tuple(placed))
+            except TypeError:  # its Python signature differs from the schema
+                called = False
+            if not called:
                 # the overload, whose C++ warnings stay in C++: empty outputs, which kernels
                 # grow without a warning, and a check that they never grew past the plan
                 placed = [torch.empty(0, dtype=m.dtype) for m in outs]
                 out_func(**named, **dict(zip(names, placed)))
-                if any(f.untyped_storage().nbytes() > max(m.dtype.itemsize, span_bytes(m.shape, m.stride, m.dtype))
-                       for f, m in zip(placed, outs)):  # fmt: skip
+                if any(f.untyped_storage().nbytes() > nbytes(m) for f, m in zip(placed, outs)):
                     return False
     except (_Unknown, RuntimeError, TypeError, ValueError, IndexError):
         return False

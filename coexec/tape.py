@@ -168,7 +168,7 @@ class GradientTape:
     give each its own key), ``arena`` (co-executed steps write planned outputs into one
     preallocated arena; False: every output from the allocator; ``None``, the default: on
     without a budget, off under one, where planning the arena jointly takes several times
-    longer, e.g. GPT-2 over a minute), ``memory_budget`` (bytes, or a
+    longer: docs/planner.md), ``memory_budget`` (bytes, or a
     string like ``"6GB"`` or ``"512MiB"``: the device memory a co-executed step may use at its
     peak, persistent state included; activations are dropped and recomputed to stay within it,
     and a budget no plan can meet raises :class:`planner.remat.BudgetTooSmall` naming the

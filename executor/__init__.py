@@ -5,7 +5,7 @@ each op on real tensors, keeps the values the skeleton still refers to, and repo
 progress back. It knows nothing of graphs or Python programs; ``coexec`` drives it.
 """
 
-from .memory import LiveBytes, ResetPeak, span_bytes
+from .memory import LiveBytes, ResetPeak, laid_out, span_bytes
 from .offload import HostPool, Offload, Prefetch, Wait, measure_bandwidth
 from .remat import Drop, Restore
 from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, FreeRange, Run, writes_in_place
@@ -13,5 +13,5 @@ from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free
 __all__ = [
     "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "FreeRange",
     "HostPool", "LiveBytes", "Offload", "Prefetch", "ResetPeak", "Restore", "Run", "Wait",
-    "measure_bandwidth", "span_bytes", "writes_in_place",
+    "laid_out", "measure_bandwidth", "span_bytes", "writes_in_place",
 ]  # fmt: skip

@@ -151,6 +151,12 @@ def span_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:
     return (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize
 
 
+def laid_out(raw: torch.Tensor, shape: tuple, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of ``raw`` (a flat uint8 tensor, such as a :meth:`LiveBytes.region`) as a
+    ``dtype`` tensor of ``shape`` and ``stride``, on the same storage."""
+    return raw.view(dtype)[: raw.numel() // dtype.itemsize].as_strided(shape, stride)
+
+
 def _ptr(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .memory import LiveBytes, ResetPeak, span_bytes
+from .memory import LiveBytes, ResetPeak, laid_out, span_bytes
 from .offload import HostPool, Offload, Offloads, Prefetch, Wait
 from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
@@ -335,7 +335,7 @@ class _Worker:
                 return None
             spans.append((offset, n))
         views = [
-            memory.region(offset, n).view(dtype)[: max(n, 1) // dtype.itemsize].as_strided(shape, stride)
+            laid_out(memory.region(offset, n), shape, stride, dtype)
             for (offset, n), (_o, shape, stride, dtype) in zip(spans, outs)
         ]
         kw = dict(kwargs)
