@@ -133,7 +133,9 @@ class _Worker:
         self.thread.start()
 
     def loop(self, threads: int) -> None:
-        torch.set_num_threads(threads)  # intra-op threads are per thread: match the skeleton's
+        # intra-op threads are per thread: match the skeleton's, as eager would run (a parallel
+        # reduction's result depends on how many threads split it: fewer is not bit-equal)
+        torch.set_num_threads(threads)
         torch.set_grad_enabled(False)
         self.grad_mode = False
         # below autograd and ADInplaceOrView: the skeleton already did the autograd side of
