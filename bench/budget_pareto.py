@@ -29,7 +29,8 @@ plan's prediction. On CUDA: ``torch.cuda.max_memory_allocated`` for every method
 (synchronised on CUDA); "predicted ms" is the plan's step time (op times, recomputation and
 waits for copies, ``planner.offload.predict_seconds``) next to coexec's measured one and to the
 time the executor was busy per step (mean; it runs the planned work, the skeleton's Python
-overhead is not in the plan). "vs no budget": the median, over ``--steps`` pairs, of a budgeted
+overhead is not in the plan); "planned +%": what the plan itself adds, in % of the same path's
+op times (the overhead the planner optimises, free of the runtime's own costs). "vs no budget": the median, over ``--steps`` pairs, of a budgeted
 step's time over an unbudgeted one's, the two runs' steps alternating (so that drift between
 runs minutes apart does not enter the ratio). "plan s": the time to plan the budget (all
 paths, every round).
@@ -182,10 +183,19 @@ class CoexecRun:
             "recomputed": s.recomputed_ops,
             "offloaded": s.offloaded_storages,
             "predicted": plan.predicted_seconds if plan else None,
+            "planned +%": planned_overhead(plan) if plan else None,
             "plan s": plan.seconds if plan else None,
             "arena": self.tape._program.arena.numel() if self.tape._program.arena is not None else 0,
             "trace": self.tape._program.paths[-1],
         }
+
+
+def planned_overhead(plan) -> float:
+    """The plan's own added time, in % of the same path's ops without a budget (its slowest
+    path): recomputation and waits for copies as the planner predicts them, measured op times."""
+    worst = max(plan.paths, key=lambda p: p.plan.predicted_seconds).plan
+    base = worst.predicted_seconds - worst.extra_seconds - worst.stall_seconds
+    return 100 * (worst.predicted_seconds / base - 1) if base > 0 else 0.0
 
 
 def coexec_run(
@@ -309,6 +319,7 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
                          "peak MB": r["peak"] / MB, "own MB": r["own count"] / MB, "planned MB": r["planned"] / MB,
                          "arena MB": r["arena"] / MB,
                          "step ms": 1e3 * r["seconds"], "predicted ms": 1e3 * r["predicted"],
+                         "planned +%": r["planned +%"],
                          "executor ms": 1e3 * r["busy"], "plan s": r["plan s"],
                          "vs no budget": r["vs free"], "recomputed ops": r["recomputed"],
                          "offloaded": r["offloaded"], "within": r["own count"] <= b})  # fmt: skip
@@ -320,7 +331,7 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
 
 
 COLUMNS = ["model", "method", "setting", "peak MB", "own MB", "planned MB", "arena MB", "peak vs eager", "step ms",
-           "predicted ms", "executor ms", "time vs eager", "vs no budget", "recomputed ops", "offloaded", "within", "plan s"]  # fmt: skip
+           "predicted ms", "executor ms", "time vs eager", "planned +%", "vs no budget", "recomputed ops", "offloaded", "within", "plan s"]  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path) -> None:
