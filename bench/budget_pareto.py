@@ -312,7 +312,8 @@ def measure(name: str, batch: int, steps: int, device: str) -> list[dict]:
                 except coexec.BudgetTooSmall as e:
                     # with offloading the floor moves with the op and copy times this run measured
                     print(f"    not feasible on this run: {e.smallest / MB:.2f} MB is", file=sys.stderr, flush=True)
-                    label, b = f"{label} (this run)", e.smallest
+                    label = label if label.endswith("(this run)") else f"{label} (this run)"
+                    b = e.smallest
             else:
                 raise RuntimeError(f"{name}: no feasible budget settled near {b}")
             rows.append({"model": name, "method": method, "setting": f"{label}: {b / MB:.2f} MB",
