@@ -30,9 +30,10 @@ plan's prediction. On CUDA: ``torch.cuda.max_memory_allocated`` for every method
 waits for copies, ``planner.offload.predict_seconds``) next to coexec's measured one and to the
 time the executor was busy per step (mean; it runs the planned work, the skeleton's Python
 overhead is not in the plan); "planned +%": what the plan itself adds, in % of the same path's
-op times (the overhead the planner optimises, free of the runtime's own costs). "vs no budget": the median, over ``--steps`` pairs, of a budgeted
-step's time over an unbudgeted one's, the two runs' steps alternating (so that drift between
-runs minutes apart does not enter the ratio). "plan s": the time to plan the budget (all
+op times (the overhead the planner optimises, free of the runtime's own costs). "vs no
+budget": the median, over ``--steps`` pairs, of a budgeted step's time over an unbudgeted
+one's, the two runs' steps alternating (so that drift between runs minutes apart does not
+enter the ratio). "plan s": the time to plan the budget (all
 paths, every round).
 
 Writes ``budget_pareto_<device>.md`` (the table) and ``.png`` (time against peak).

@@ -14,12 +14,12 @@ worker's ``run``: instrumentation, not part of coexec) and figures are medians o
 * ``skeleton cpu ms``: CPU time of the user's thread over the step (the skeleton's Python), and
   its parts ``fwd``, ``bwd``, ``opt``: the forward and loss, ``loss.backward()``, the optimizer;
 * ``executor op ms``: the executor's time inside ops, summed; split into the ops it ran while
-  the skeleton was still issuing (``while issuing``, with the same ops' traced time beside it)
-  and after (``after``, likewise).
+  the skeleton was still issuing (``while issuing``, with the same ops' traced time beside it,
+  ``traced, while``) and after (``after``, ``traced, after``).
 
 What it shows on the 2-core CPU (docs/coexec.md, Performance): ops the executor runs while the
 skeleton's Python holds the GIL and a core take several times their traced time; once the
-skeleton waits, they run at about eager speed.
+skeleton waits, they run at 0.7-2.2x of it.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def measure(name: str, batch: int, steps: int) -> dict:
     parts: dict[str, float] = {}
 
     def co_step() -> None:
-        # ZooModel.step, with the user's thread's CPU time taken between its parts
+        # ZooModel.step (less the loss it returns detached), with the user's thread's CPU time
+        # taken between its parts
         with tape:
             t0 = time.thread_time()
             loss = co.loss(co.model(co.inputs[0]), co.inputs[1])
@@ -109,9 +110,9 @@ def measure(name: str, batch: int, steps: int) -> dict:
             "opt": 1e3 * parts["opt"],
             "executor op ms": 1e3 * sum(x for x, _ in before + after),
             "while issuing": 1e3 * sum(x for x, _ in before),
-            "traced": 1e3 * sum(y for _, y in before),
+            "traced, while": 1e3 * sum(y for _, y in before),
             "after": 1e3 * sum(x for x, _ in after),
-            "traced ": 1e3 * sum(y for _, y in after),
+            "traced, after": 1e3 * sum(y for _, y in after),
         })  # fmt: skip
     out = {"model": name, "ops": len(traced), "traced op ms": 1e3 * sum(traced.values())}
     for k in rows[0]:
