@@ -9,6 +9,7 @@ that escapes the step (a loss in a user's list, a carried hidden state) just wor
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,10 +27,11 @@ _TB = torch._C.TensorBase
 _DATA_ACCESS = frozenset(
     {
         _TB.numpy, _TB.tolist, _TB.data_ptr, _TB.untyped_storage, torch.Tensor._typed_storage,
-        torch.Tensor.__array__, torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__,
-        torch.Tensor.storage, torch.Tensor.__dlpack__, torch.Tensor.__dlpack_device__,
+        torch.Tensor.__array__, torch.Tensor.storage, torch.Tensor.__dlpack__,
+        torch.Tensor.__dlpack_device__,
     }
 )  # fmt: skip
+_REPR_INDENT = len("tensor(")
 
 
 class Placeholder(torch.Tensor):
@@ -41,11 +43,13 @@ class Placeholder(torch.Tensor):
 
     @staticmethod
     def __new__(cls, meta: TensorMeta, session: "Session | None", vid: int) -> "Placeholder":
+        # a sparse or other non-strided layout has no strides nor storage offset to give
+        strided = meta.layout == torch.strided
         t = torch.Tensor._make_wrapper_subclass(
             cls,
             meta.shape,
-            strides=meta.stride,
-            storage_offset=0,
+            strides=meta.stride if strided else None,
+            storage_offset=0 if strided else None,
             dtype=meta.dtype,
             device=meta.device,
             layout=meta.layout,
@@ -80,6 +84,9 @@ class Placeholder(torch.Tensor):
         kwargs = kwargs or {}
         if func in _DATA_ACCESS:
             return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(*args, **kwargs)
         if func is torch.Tensor.__format__:
             self, spec = args[0], args[1]
             if self.dim() == 0:
@@ -96,3 +103,49 @@ Placeholder.__name__ = "tensor"
 
 def _unwrap(x: Any) -> Any:
     return x.real() if isinstance(x, Placeholder) else x
+
+
+def _plain(ph: Placeholder) -> torch.Tensor:
+    """The value as an ordinary tensor that says what the placeholder says about gradients
+    (the executor's values never require grad: it runs below autograd)."""
+    t = ph.real().detach()
+    return t.requires_grad_() if ph.requires_grad and not t.requires_grad else t
+
+
+def _repr(ph: Placeholder, *, tensor_contents: str | None = None) -> str:
+    """``repr`` as eager prints the tensor: the values from the real tensor, the suffixes
+    (``grad_fn=...``, ``requires_grad=True``) from the placeholder, which autograd ran on."""
+    if tensor_contents is None:
+        real = ph.real()
+        if real.numel() and real.layout == torch.strided:
+            with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
+                tensor_contents = torch._tensor_str._tensor_str(real.detach(), _REPR_INDENT)
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.__repr__(ph, tensor_contents=tensor_contents)
+
+
+def _reduce_ex(ph: Placeholder, protocol: int) -> Any:
+    """Pickled (``torch.save``, ``pickle``) as the plain tensor eager would have: the values,
+    and ``requires_grad`` as the placeholder has it; never the placeholder's bookkeeping."""
+    return _plain(ph).__reduce_ex__(protocol)
+
+
+def _deepcopy(ph: Placeholder, memo: dict) -> torch.Tensor:
+    """``copy.deepcopy``: a plain tensor, as eager makes; a non-leaf raises eager's error."""
+    if not ph.is_leaf:
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.Tensor.__deepcopy__(ph, memo)  # raises "Only Tensors created explicitly..."
+    # the real tensor, not a temporary: deepcopy's memo is keyed by id(), and a temporary's
+    # id is reused by the next one (two placeholders would get the same copy)
+    new = copy.deepcopy(ph.real(), memo)
+    if ph.requires_grad and not new.requires_grad:
+        new.requires_grad_()
+    memo[id(ph)] = new
+    return new
+
+
+_SPECIAL = {
+    torch.Tensor.__repr__: _repr,
+    torch.Tensor.__reduce_ex__: _reduce_ex,
+    torch.Tensor.__deepcopy__: _deepcopy,
+}

@@ -25,6 +25,7 @@ from executor import (
     Drop, Executor, ExecutorError, Free, FreeRange, HostPool, Offload, ResetPeak, Restore, Run,
 )  # fmt: skip
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
+from tracegraph.location import CODES
 from tracegraph.schema import TensorMeta, schema_of
 
 from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
@@ -266,6 +267,8 @@ class Skeleton(Recorder):
                 recipe and schema_of(func).random,
             )
         )  # fmt: skip
+        if CODES.catches(rec.key.loc, self.base_lasti):
+            self._run_now(position, rec)
         for x, new in moves:
             session.retarget(x, new - base, position)
         if data_dependent:  # Python needs the result (or its shape) now: a fetch
@@ -291,6 +294,31 @@ class Skeleton(Recorder):
         if not plan:
             return None, ()
         return (out[0] if len(plan) == 1 else tuple(out)), node.out_alias[:n_ret]
+
+    def _run_now(self, position: int, rec: OpRecord) -> None:
+        """An op inside a user's ``try``: wait for it, so that if it fails its error is raised
+        here, where eager raises it and the ``except`` can catch it. The ops before it ran; it
+        did not: the step goes on eagerly from here (a fallback), as the program's handler
+        continues it."""
+        session = self.session
+        try:
+            session.wait(position)
+            return
+        except ExecutorError as e:
+            err = e
+        if err.op_index != rec.index or err.__cause__ is None:
+            raise_executor_error(err)  # an earlier op failed: not this try's business
+        cause = err.__cause__
+        try:
+            session.drain()  # what was queued behind it (frees) goes through
+        except ExecutorError:
+            pass
+        session.executor.clear_error()
+        self.fall_back(
+            f"{type(cause).__name__} raised by {rec.name} at {CODES.describe(rec.key.loc)}, "
+            "inside a try block"
+        )
+        raise cause.with_traceback(None)
 
     # -- rematerialization ---------------------------------------------------------------
     def _is_recipe(self, remat: Any, node: Any, rec: OpRecord, its: tuple, n_ret: int) -> bool:
@@ -398,6 +426,9 @@ class Skeleton(Recorder):
                     session.copy_out(t)  # Python may keep the view: not into the arena
                 finally:
                     self.suppress -= 1
+
+    def fetched(self, t: torch.Tensor) -> torch.Tensor:
+        return t.real() if isinstance(t, Placeholder) else t
 
     # -- control --------------------------------------------------------------------------
     def sync(self) -> None:

@@ -433,6 +433,15 @@ class Executor:
         if w.error is not None:
             raise w.error
 
+    def clear_error(self) -> None:
+        """Forget the error of the last op run (the skeleton raised it where the program
+        handles it), so the ops submitted next run. Only once everything submitted is done:
+        ops queued behind the failed one were skipped, not run."""
+        w = self._w
+        if w.done < w.submitted:
+            raise RuntimeError("clear_error() with instructions pending")
+        w.error = None
+
     def drain(self, timeout: float) -> None:
         """Wait for everything submitted so far."""
         self.wait(self._w.submitted, timeout)

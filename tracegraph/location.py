@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dis
 import os
+import sys
 import types
 from bisect import bisect_right
 
@@ -65,6 +66,8 @@ class CodeTable:
         self._loops_at: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
         self._lines: dict[int, tuple[list[int], list[int]]] = {}
         self._plumbing: frozenset[str] | None = None
+        self._tries: dict[int, tuple[tuple[int, int], ...]] = {}
+        self._catches: dict[tuple[Location, int], bool] = {}
 
     def code_id(self, code: types.CodeType) -> int:
         cid = self._by_addr.get(id(code))
@@ -138,6 +141,38 @@ class CodeTable:
             self._loops_at[key] = found
         return found
 
+    # -- exception handlers -----------------------------------------------------------------
+    def tries(self, cid: int) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` offset ranges of code ``cid`` guarded by an ``except`` clause
+        (typed or bare): where an exception can be caught and the code go on. Not ``finally``
+        (it re-raises) nor ``with`` (its handler calls ``__exit__``), nor torch's own code.
+        Empty before Python 3.11 (no exception table to read)."""
+        found = self._tries.get(cid)
+        if found is None:
+            code = self.code(cid)
+            ok = code is not None and sys.version_info >= (3, 11) and self.is_user_code(cid)
+            found = self._tries[cid] = _catching_ranges(code) if ok else ()
+        return found
+
+    def catches(self, loc: Location, base_offset: int) -> bool:
+        """Is the op at ``loc`` inside a ``try`` whose ``except`` could catch its error, within
+        the step? (A ``try`` in the step's own frame around the whole ``with``, at
+        ``base_offset``, does not count: the error leaves the step either way.)"""
+        key = (loc, base_offset)
+        found = self._catches.get(key)
+        if found is None:
+            found = False
+            for i, (cid, off) in enumerate(loc):
+                if cid == BWD:
+                    break  # the rest mirrors the forward op: not where the error is raised
+                if cid > 0 and any(
+                    s <= off < e and not (i == 0 and s <= base_offset < e) for s, e in self.tries(cid)
+                ):
+                    found = True
+                    break
+            self._catches[key] = found
+        return found
+
     # -- display --------------------------------------------------------------------------
     def line(self, cid: int, offset: int) -> int | None:
         code = self.code(cid)
@@ -181,6 +216,29 @@ class CodeTable:
         if any(f[0] == BWD for f in loc):
             desc = "grad of " + desc
         return desc
+
+
+def _catching_ranges(code: types.CodeType) -> tuple[tuple[int, int], ...]:
+    """The exception-table ranges of ``code`` whose handler is an ``except`` clause: it starts
+    with ``PUSH_EXC_INFO`` (cleanup handlers do not), is not a ``with`` (``WITH_EXCEPT_START``),
+    and matches the exception or pops it (``POP_EXCEPT``) before any ``RERAISE`` (a
+    ``finally`` re-raises)."""
+    instrs = list(dis.get_instructions(code))
+    at = {ins.offset: i for i, ins in enumerate(instrs)}
+    out = []
+    for entry in dis.Bytecode(code).exception_entries:
+        i = at.get(entry.target)
+        if i is None or instrs[i].opname != "PUSH_EXC_INFO":
+            continue
+        if i + 1 < len(instrs) and instrs[i + 1].opname == "WITH_EXCEPT_START":
+            continue
+        for ins in instrs[i + 1 :]:
+            if ins.opname in ("CHECK_EXC_MATCH", "CHECK_EG_MATCH", "POP_EXCEPT"):
+                out.append((entry.start, entry.end))
+                break
+            if ins.opname == "RERAISE":
+                break
+    return tuple(sorted(set(out)))
 
 
 def _short_path(path: str) -> str:

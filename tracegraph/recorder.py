@@ -47,7 +47,38 @@ FETCH_CALLS: dict[Any, str] = {
     torch.Tensor.__repr__: "repr",
     torch.Tensor.__format__: "format",
     torch.Tensor.__array__: "numpy",
+    # copies of the data made in Python: the copy is not part of the step's computation; the
+    # new tensor is an input of the ops that use it, as a batch would be
+    torch.Tensor.__deepcopy__: "deepcopy",
+    torch.Tensor.__reduce_ex__: "pickle",  # torch.save, pickle, multiprocessing queues
 }
+
+# Constructors that read the data of tensors nested in their data argument (``torch.tensor([r])``
+# with ``r`` a 0-d tensor): each such tensor is a fetch, and the new tensor an input, as if
+# Python had read the values with ``.item()`` and built it from floats. Per constructor: the
+# position of its data argument, and whether a tensor given as the data itself is copied
+# (``as_tensor(t)`` returns ``t`` itself, an op on the graph like any other).
+DATA_CONSTRUCTORS: dict[Any, tuple[int, bool]] = {
+    torch.tensor: (0, True),
+    torch.as_tensor: (0, False),
+    torch.asarray: (0, False),
+    _TB.new_tensor: (1, True),
+}
+
+
+def _rebuild_codes() -> frozenset:
+    """Code objects of torch's functions that rebuild a tensor around existing bytes (unpickling
+    in ``torch.load``, a ``DataLoader`` worker's batch in shared memory): the ops they issue
+    (``empty`` then ``set_`` onto the storage) make a new input, not part of the step's
+    computation, so they run unrecorded."""
+    import torch._utils as tu
+    import torch.multiprocessing.reductions as mr
+
+    funcs = [getattr(m, n) for m in (tu, mr) for n in dir(m) if "rebuild" in n]
+    return frozenset(f.__code__ for f in funcs if isinstance(f, types.FunctionType))
+
+
+REBUILD_CODES = _rebuild_codes()
 
 _active = threading.local()
 
@@ -71,6 +102,7 @@ class Recorder:
     def __init__(self, trace: Trace | None = None) -> None:
         self.trace = trace if trace is not None else Trace()
         self.base: types.FrameType | None = None
+        self.base_lasti = -1
         self.vmap = _TensorMap(self._released)  # tensor -> value id
         self.first_use = _TensorMap()  # leaf -> (op, input pos)
         self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
@@ -92,6 +124,7 @@ class Recorder:
         if getattr(_active, "recorder", None) is not None:
             raise RecordError("a recording is already active in this thread; recordings do not nest")
         self.base = base
+        self.base_lasti = base.f_lasti  # where the step's frame entered it
         self.trace.outside_loops = loops_around(base)
         fmode, dmode = _FunctionMode(self), _DispatchMode(self)
         fmode.__enter__()
@@ -138,6 +171,10 @@ class Recorder:
 
     def before_fetch(self, kind: str, t: Any) -> None:
         """Python is about to read ``t``'s data through ``kind``."""
+
+    def fetched(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor whose data Python reads in place of ``t`` (after :meth:`before_fetch`)."""
+        return t
 
     def storage_key(self, t: torch.Tensor) -> int | None:
         """An identity for the storage behind ``t`` (None if it has none)."""
@@ -400,17 +437,22 @@ class _FunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if rec.suppress:
             return func(*args, **kwargs)
-        loc = rec.capture(sys._getframe(1))
+        frame = sys._getframe(1)
+        if frame.f_code in REBUILD_CODES:
+            return _unrecorded(rec, func, args, kwargs)
+        loc = rec.capture(frame)
         kind = FETCH_CALLS.get(func)
         if kind is not None:
             target = args[0] if args else None
             rec.on_fetch(kind, target, loc)
             rec.before_fetch(kind, target)
-            rec.suppress += 1
-            try:
-                return func(*args, **kwargs)
-            finally:
-                rec.suppress -= 1
+            return _unrecorded(rec, func, args, kwargs)
+        ctor = DATA_CONSTRUCTORS.get(func)
+        if ctor is not None and _reads_tensors(args, *ctor):
+            pos = ctor[0]
+            args = list(args)
+            args[pos] = _fetch_nested(rec, args[pos], loc)
+            return _unrecorded(rec, func, args, kwargs)
         saved = rec.call_loc, rec.sub
         rec.call_loc, rec.sub = loc, 0
         try:
@@ -420,6 +462,45 @@ class _FunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             rec.call_loc, rec.sub = saved
+
+
+def _caller(frame: types.FrameType) -> types.FrameType:
+    """The first frame at or above ``frame`` that is not mode-dispatch plumbing."""
+    while frame.f_back is not None and CODES.code_id(frame.f_code) == 0:
+        frame = frame.f_back
+    return frame
+
+
+def _unrecorded(rec: Recorder, func: Any, args: Any, kwargs: dict) -> Any:
+    rec.suppress += 1
+    try:
+        return func(*args, **kwargs)
+    finally:
+        rec.suppress -= 1
+
+
+def _reads_tensors(args: Any, pos: int, copies_tensor: bool) -> bool:
+    if len(args) <= pos:
+        return False
+    data = args[pos]
+    return _has_tensor(data) if copies_tensor or isinstance(data, (list, tuple)) else False
+
+
+def _has_tensor(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    return isinstance(data, (list, tuple)) and any(_has_tensor(x) for x in data)
+
+
+def _fetch_nested(rec: Recorder, data: Any, loc: Location) -> Any:
+    """``data`` with each tensor in it fetched (``"tensor"``) and replaced by what Python reads."""
+    if isinstance(data, torch.Tensor):
+        rec.on_fetch("tensor", data, loc)
+        rec.before_fetch("tensor", data)
+        return rec.fetched(data)
+    if isinstance(data, (list, tuple)) and _has_tensor(data):
+        return type(data)(_fetch_nested(rec, x, loc) for x in data)
+    return data
 
 
 class _DispatchMode(TorchDispatchMode):
@@ -432,6 +513,9 @@ class _DispatchMode(TorchDispatchMode):
         rec = self.rec
         if rec.suppress or func.namespace in _SKIPPED_NAMESPACES:
             return func(*args, **kwargs)
+        if rec.call_loc is None and _caller(sys._getframe(1)).f_code in REBUILD_CODES:
+            # (``set_`` onto a storage is issued without a torch-level call)
+            return _unrecorded(rec, func, args, kwargs)
         return rec.on_op(func, args, kwargs)
 
 
