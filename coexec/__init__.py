@@ -23,6 +23,7 @@ from .errors import (
 from planner.remat import BudgetTooSmall
 
 from .placeholder import Placeholder
+from .programs import set_max_programs
 from .runtime import synchronize
 from .tape import GradientTape, TapeStats
 
@@ -30,5 +31,5 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BudgetTooSmall", "CoexecError", "CoexecUsageError", "ExecutorDied", "ExecutorError", "ExecutorTimeout",
-    "GradientTape", "Placeholder", "TapeStats", "ValueLostError", "synchronize",
+    "GradientTape", "Placeholder", "TapeStats", "ValueLostError", "set_max_programs", "synchronize",
 ]  # fmt: skip

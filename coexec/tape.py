@@ -1,8 +1,10 @@
 """``GradientTape``: the context manager a training step runs in.
 
-Every ``with`` statement is one *program*: its TraceGraph, its phase and statistics are kept
-per code location, so ``with coexec.GradientTape() as tape:`` written inside the loop (a new
-tape each step, as with ``tf.GradientTape``) and a tape created once and reused share them.
+A *program* (TraceGraph, phase, statistics, plans) is kept per code location of the ``with``
+statement and per model: ``with coexec.GradientTape() as tape:`` written inside the loop (a new
+tape each step, as with ``tf.GradientTape``) and a tape created once and reused share it, and
+one ``with`` running several models (a sweep through one ``train()`` helper) keeps one
+program per model, told apart by the parameters its steps read (``coexec/programs.py``).
 
 Phases (DESIGN.md §1): **tracing** runs the step eagerly while recording it, until a step's
 trace is already covered by the graph; **coexec** runs the step as a skeleton with the
@@ -24,10 +26,10 @@ import torch
 
 from executor import ExecutorDied, ExecutorError, ExecutorTimeout
 from planner.remat import BudgetTooSmall
-from tracegraph import Recorder, TraceGraph
+from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
 
-from . import runtime
+from . import programs, runtime
 from .errors import CoexecUsageError
 from .skeleton import Session, Skeleton, raise_executor_error
 
@@ -66,11 +68,15 @@ class TapeStats:
 
 
 class Program:
-    """Everything kept for one ``with`` statement."""
+    """Everything kept for one model's steps at one ``with`` statement."""
 
-    def __init__(self, code: Any, where: str) -> None:
+    def __init__(self, code: Any, where: str, index: int = 1) -> None:
         self.code = code  # keeps the code object (and so the registry key) alive
         self.where = where
+        self.index = index  # the n-th program made at this ``with`` (one per model)
+        self.family_key: Any = None  # its ``with`` location (or key) in coexec.programs
+        self.params: dict[int, Any] = {}  # id -> weak reference: the parameters it claimed
+        self.successor: Program | None = None  # the program that ran after it, last time
         self.graph = TraceGraph()
         self.stats = TapeStats()
         self.capped = False
@@ -134,6 +140,14 @@ class Program:
             plan = None
         self._use_arena_plan(plan)
 
+    def release(self) -> None:
+        """Dropped (coexec.programs): let go of the graph, the plans and the arena. The
+        statistics stay, for a tape that ran the program to report."""
+        self.graph = TraceGraph()
+        self.paths = []
+        self.arena_plan, self.arena, self.budget_plan = None, None, None
+        self.params = {}
+
     def _use_arena_plan(self, plan: Any) -> None:
         """The arena, allocated once up front at exactly the planned size (it counts whole)."""
         self.arena_plan = plan
@@ -143,7 +157,7 @@ class Program:
             self.arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
 
 
-_programs: dict[tuple, Program] = {}
+_programs = programs._families  # ``with`` location (or ("key", key)) -> its programs
 _local = threading.local()  # .tape: the tape whose block is running in this thread
 
 
@@ -229,18 +243,20 @@ class GradientTape:
                 f"(entered at {_local.tape._program.where})"
             )
         frame = sys._getframe(1)
-        key = ("key", self.key) if self.key is not None else (id(frame.f_code), frame.f_lasti)
-        program = _programs.get(key)
+        named = self.key is not None
+        key = ("key", self.key) if named else (id(frame.f_code), frame.f_lasti)
+        fam = programs.family(key, named, frame.f_code, lambda: _describe(frame))
+        program = fam.choose()
         if program is None:
-            cid = CODES.code_id(frame.f_code)
-            where = CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
-            program = _programs[key] = Program(frame.f_code, where)
+            program = _new_program(fam)
+        else:
+            programs.touch(program)
         if (program.budget, program.offload, program.use_arena) != (self.memory_budget, self.offload, self.arena):
             program.replan(self.memory_budget, self.offload, self.arena)
         elif program.budget_error is not None:
             raise BudgetTooSmall(*program.budget_error)
         self._program = program
-        self._step = _Step(self, program, frame)
+        self._step = _Step(self, program, frame, fam)
         _local.tape = self
         return self
 
@@ -248,7 +264,11 @@ class GradientTape:
         step, self._step = self._step, None
         _local.tape = None
         assert step is not None
-        step.end(ev)
+        try:
+            step.end(ev)
+        finally:
+            self._program = step.program  # it may have switched program (another model)
+            step.family.ran(step.program)
         return False
 
     # -- API ------------------------------------------------------------------------------
@@ -295,7 +315,8 @@ class GradientTape:
 
     @property
     def stats(self) -> TapeStats:
-        """A snapshot of the program's statistics (all tapes of this ``with`` statement)."""
+        """A snapshot of the statistics of the program this tape ran last (every step of
+        that model at this ``with`` statement, whichever tape ran it)."""
         if self._program is None:
             return TapeStats()
         s = self._program.stats
@@ -345,31 +366,113 @@ class GradientTape:
             )
 
 
+def _describe(frame: Any) -> str:
+    cid = CODES.code_id(frame.f_code)
+    return CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
+
+
+def _new_program(fam: Any) -> Program:
+    fam.made += 1
+    return programs.add(fam, Program(fam.code, fam.where, fam.made))
+
+
+def _meet(t: torch.Tensor) -> None:
+    """A recorder met ``t`` from outside the step: a parameter may say which model runs."""
+    if isinstance(t, torch.nn.Parameter):
+        tape = getattr(_local, "tape", None)
+        step = tape._step if tape is not None else None
+        if step is not None:
+            step.meet_parameter(t)
+
+
+class _TracingRecorder(Recorder):
+    on_external = staticmethod(_meet)
+
+
+class _ProgramSkeleton(Skeleton):
+    on_external = staticmethod(_meet)
+
+
 class _Step:
     """One run of a ``with`` block in the program's current phase."""
 
-    def __init__(self, tape: GradientTape, program: Program, frame: Any) -> None:
+    def __init__(self, tape: GradientTape, program: Program, frame: Any, family: Any) -> None:
         self.tape = tape
         self.program = program
+        self.family = family
+        self.decided = family.named  # which program the step belongs to is settled
+        self.quiet = False  # switched program before anything ran: a plain traced step
         self.phase = program.stats.phase
         self.t0 = time.perf_counter()
         self.rec: Recorder | None = None
         self.session: Session | None = None
         if self.phase == "tracing":
-            self.rec = Recorder()
+            self.rec = _TracingRecorder()
             self.rec.start(frame)
         elif self.phase == "coexec":
             ex = runtime.executor()
             if ex.error is not None or not ex.alive:
                 ex.reset()
-            arena = (program.arena_plan, program.arena) if tape.arena and program.arena is not None else None
-            self.session = Session(ex, tape.timeout, arena, program.budget_plan)
+            self.session = self._new_session(program)
             self.busy0 = ex.busy_seconds
             self.recomputed0 = ex.recipes.recomputed
             self.offloads0 = (ex.offloads.offloaded, ex.offloads.wait_seconds)
-            self.rec = Skeleton(program.graph, self.session)
+            self.rec = _ProgramSkeleton(program.graph, self.session)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
+
+    def _new_session(self, program: Program) -> Session:
+        tape = self.tape
+        arena = (program.arena_plan, program.arena) if tape.arena and program.arena is not None else None
+        return Session(runtime.executor(), tape.timeout, arena, program.budget_plan)
+
+    # -- which program (coexec/programs.py) -------------------------------------------------
+    def meet_parameter(self, t: torch.Tensor) -> None:
+        """The step read parameter ``t``. The first one a step reads says which program it
+        belongs to: the program that has it, or, when no program here has seen it while the
+        current one has parameters of its own, a new program (a new model)."""
+        fam = self.family
+        if self.decided:
+            fam.claim(t, self.program)
+            return
+        self.decided = True
+        owner = fam.owner_of(t)
+        if owner is self.program:
+            return
+        if owner is None and not self.program.params:
+            fam.claim(t, self.program)
+            return
+        if owner is None:
+            owner = _new_program(fam)
+            fam.claim(t, owner)
+            why = f"a parameter of shape {list(t.shape)} that no model run here before had"
+        else:
+            why = f"a parameter of the model of program {owner.index} here"
+        self._switch(owner, why)
+
+    def _switch(self, target: Program, why: str) -> None:
+        """Go on as a step of ``target``: a tracing step just records for it; a co-executing
+        step that has issued nothing starts over on its graph; else it falls back to eager,
+        exactly like any fallback, and its trace is merged into ``target`` at the end."""
+        self._log(f"the step reads {why}: it belongs to program {target.index}")
+        self.program = target
+        programs.touch(target)
+        sk = self.rec
+        if self.phase != "coexec" or not isinstance(sk, Skeleton) or sk.eager:
+            return
+        tape = self.tape
+        fresh = not sk.trace.ops and not sk.trace.fetches
+        settings = (target.budget, target.offload, target.use_arena)
+        if fresh and target.stats.phase == "coexec" and target.budget_error is None and settings == (
+            tape.memory_budget, tape.offload, tape.arena
+        ):
+            old, self.session = self.session, self._new_session(target)
+            sk.session, sk.graph = self.session, target.graph
+            sk.cursor = Cursor(target.graph, sk.trace, mutate=False)
+            old.close()
+            return
+        self.quiet = fresh and target.stats.phase == "tracing"
+        sk.fall_back(f"the step reads {why}, so it belongs to program {target.index} at this `with`")
 
     def end(self, error: BaseException | None) -> None:
         stats = self.program.stats
@@ -379,7 +482,7 @@ class _Step:
         try:
             if self.phase == "tracing":
                 self.rec.stop(error)
-                if error is None:
+                if error is None and stats.phase != "eager":
                     self._merge(self.rec.trace, fell_back=False)
             elif self.phase == "coexec":
                 self._end_coexec(error)
@@ -417,7 +520,12 @@ class _Step:
         else:
             runtime.open_sessions.append((session, leaves, sk.optimizers))
         stats = self.program.stats
-        if sk.eager:
+        if sk.eager and (self.quiet or stats.phase == "eager"):
+            # switched, before anything ran, to a program still tracing (or staying eager)
+            self.phase = "tracing" if stats.phase != "eager" else "eager"
+            if self.phase == "tracing":
+                self._merge(sk.trace, fell_back=False)
+        elif sk.eager:
             stats.fallbacks += 1
             stats.last_fallback = sk.fallback_reason
             self._log(f"fell back to eager: {sk.fallback_reason}")
@@ -504,7 +612,8 @@ class _Step:
 
     def _log(self, msg: str) -> None:
         if self.tape.debug:
-            print(f"coexec [{self.program.where}]: {msg}", file=sys.stderr)
+            n = f" program {self.program.index}" if self.program.index > 1 else ""
+            print(f"coexec [{self.program.where}{n}]: {msg}", file=sys.stderr)
 
     def _log_budget(self) -> None:
         if self.tape.debug and self.program.budget_plan is not None:

@@ -176,6 +176,10 @@ class Recorder:
         """The tensor whose data Python reads in place of ``t`` (after :meth:`before_fetch`)."""
         return t
 
+    def on_external(self, t: torch.Tensor) -> None:
+        """The step met ``t`` from outside it for the first time (a batch, a parameter,
+        optimizer state): ``coexec`` tells models apart by their parameters here."""
+
     def storage_key(self, t: torch.Tensor) -> int | None:
         """An identity for the storage behind ``t`` (None if it has none)."""
         try:
@@ -217,6 +221,7 @@ class Recorder:
                 self.held.append(t)  # the storage's address must not be reused while mapped
         vid = self._new_value(None, 0, t, sid)
         self.trace.externals.append(vid)
+        self.on_external(t)
         return vid
 
     # -- locations ------------------------------------------------------------------------
