@@ -153,8 +153,8 @@ class Recorder:
                 vid for _t, vid in self.vmap.items()
             )
             self.held.clear()
-            self.vmap = _TensorMap(self._released)
-            self.first_use = _TensorMap()
+            self.vmap.clear()  # (each entry's death callback refers to its map: a cycle)
+            self.first_use.clear()
             self.base = None
 
     # -- hooks ----------------------------------------------------------------------------
@@ -388,7 +388,13 @@ class _TensorMap:
 
     def __init__(self, on_release: Any = None) -> None:
         self._d: dict[int, tuple[weakref.ref, Any]] = {}
-        self._on_release = on_release  # called with the value when its tensor dies
+        # called with the value when its tensor dies; a method is held weakly (its object
+        # holds this map: a cycle only the garbage collector would free)
+        self._on_release = weakref.WeakMethod(on_release) if hasattr(on_release, "__self__") else on_release
+
+    def clear(self) -> None:
+        """Forget every tensor (no callbacks from now on)."""
+        self._d.clear()
 
     def keys(self) -> list[torch.Tensor]:
         """The live tensors in the map."""
@@ -412,8 +418,9 @@ class _TensorMap:
             e = d.get(key)
             if e is not None and e[0] is ref:
                 del d[key]
-                if on_release is not None:
-                    on_release(e[1])
+                f = on_release() if isinstance(on_release, weakref.WeakMethod) else on_release
+                if f is not None:
+                    f(e[1])
 
         d[key] = (weakref.ref(t, drop), vid)
 
