@@ -13,7 +13,6 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from tracegraph.schema import TensorMeta
 
@@ -77,13 +76,13 @@ class Placeholder(torch.Tensor):
                 "the background, in place; that is not supported. Use the out-of-place form "
                 "(for example x = x.unsqueeze(0) instead of x.unsqueeze_(0))."
             )
-        return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
+        return func(*_unwrap_all(args), **_unwrap_all(kwargs or {}))
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func in _DATA_ACCESS:
-            return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+            return func(*_unwrap_all(args), **_unwrap_all(kwargs))
         special = _SPECIAL.get(func)
         if special is not None:
             return special(*args, **kwargs)
@@ -103,6 +102,19 @@ Placeholder.__name__ = "tensor"
 
 def _unwrap(x: Any) -> Any:
     return x.real() if isinstance(x, Placeholder) else x
+
+
+def _unwrap_all(x: Any) -> Any:
+    """``x`` (an op's arguments: tuples, lists, dicts) with every placeholder its real tensor.
+    Not ``torch.utils._pytree.tree_map``: its recursive closure is a reference cycle per call,
+    left to the garbage collector."""
+    if isinstance(x, Placeholder):
+        return x.real()
+    if type(x) in (tuple, list):
+        return type(x)(_unwrap_all(y) for y in x)
+    if type(x) is dict:
+        return {k: _unwrap_all(v) for k, v in x.items()}
+    return x
 
 
 def _plain(ph: Placeholder) -> torch.Tensor:

@@ -51,6 +51,8 @@ class Family:
         that followed the latest program last time (two models alternating), else the most
         recently used program that is still alive. Drops the dead ones it meets. None: none
         is alive."""
+        if self.named:
+            return self.programs[-1] if self.programs else None
         last = self.last
         nxt = last.successor if last is not None else None
         if nxt is not None and nxt in self.programs and self.alive(nxt):
@@ -85,7 +87,8 @@ class Family:
         touch(program)
 
 
-_families: dict[Any, Family] = {}  # ``with`` location or ("key", key) -> its programs
+# ``with`` location or ("key", key) -> its programs (a family outlives its programs: small)
+_families: dict[Any, Family] = {}
 _lru: "OrderedDict[Any, None]" = OrderedDict()  # every live program, least recently used first
 
 
@@ -134,8 +137,6 @@ def drop(program: Any) -> None:
                 p.successor = None
         if fam.last is program:
             fam.last = None
-        if not fam.programs:
-            del _families[fam.key]
     program.successor = None
     program.release()
 

@@ -400,7 +400,7 @@ class _Step:
         self.tape = tape
         self.program = program
         self.family = family
-        self.decided = family.named  # which program the step belongs to is settled
+        self.decided = False  # which program the step belongs to is settled
         self.quiet = False  # switched program before anything ran: a plain traced step
         self.phase = program.stats.phase
         self.t0 = time.perf_counter()
@@ -432,6 +432,8 @@ class _Step:
         belongs to: the program that has it, or, when no program here has seen it while the
         current one has parameters of its own, a new program (a new model)."""
         fam = self.family
+        if fam.named:
+            return
         if self.decided:
             fam.claim(t, self.program)
             return
