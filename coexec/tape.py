@@ -76,7 +76,6 @@ class Program:
         self.index = index  # the n-th program made at this ``with`` (one per model)
         self.family_key: Any = None  # its ``with`` location (or key) in coexec.programs
         self.params: dict[int, Any] = {}  # id -> weak reference: the parameters it claimed
-        self.successor: Program | None = None  # the program that ran after it, last time
         self.graph = TraceGraph()
         self.stats = TapeStats()
         self.capped = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 import weakref
 
 import pytest
@@ -181,3 +182,50 @@ def test_key_names_one_program_for_every_model():
     # one program: the second model's steps are new traces of it, counted together
     assert tapes[0]._program is tapes[1]._program
     assert tapes[1].stats.steps == 8 and tapes[1].stats.traces == 4
+
+
+def interleaved(order: list[int], use_coexec: bool) -> tuple[list, list, list]:
+    """Two models stepped in ``order`` through one ``with``; each step does an op (x * 0.5)
+    before it reads a parameter."""
+    data = [(torch.randn(8, 6, generator=torch.Generator().manual_seed(i)), torch.ones(8, 1)) for i in range(len(order))]
+    pairs = two_models()
+    losses, stats = [], [None, None]
+    for i, m in enumerate(order):
+        model, opt = pairs[m]
+        x, y = data[i]
+        if use_coexec:
+            with coexec.GradientTape() as tape:
+                loss = step(model, opt, x * 0.5, y)
+            stats[m] = tape.stats
+        else:
+            loss = step(model, opt, x * 0.5, y)
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for m, _ in pairs for p in m.parameters()], stats
+
+
+def test_a_repeating_pattern_of_models_is_guessed():
+    order = [0, 0, 1] * 8  # A A B: each step's program is guessed from the ones before it
+    e_losses, e_params, _ = interleaved(order, False)
+    losses, params, stats = interleaved(order, True)
+    assert losses == e_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, e_params))
+    # no fallback: every co-executed step ran on the program it belongs to. Of A's 16 steps,
+    # 4 traced (2 new traces, 1 covered, 1 guessed as B while both were warming up)
+    assert [(s.steps, s.traces, s.fallbacks) for s in stats] == [(16, 2, 0), (8, 2, 0)]
+    assert [s.coexec_steps for s in stats] == [12, 5]
+
+
+def test_a_wrong_guess_after_ops_were_issued_falls_back_and_stays_exact():
+    """In a random order the guess is sometimes wrong; the co-executing step has issued an op
+    already, so it falls back at the first parameter, like any fallback, and goes on as a
+    step of the right model."""
+    rng = random.Random(0)
+    order = [rng.randrange(2) for _ in range(30)]
+    e_losses, e_params, _ = interleaved(order, False)
+    losses, params, stats = interleaved(order, True)
+    assert losses == e_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, e_params))
+    assert [s.steps for s in stats] == [order.count(0), order.count(1)]  # each its own steps
+    assert all(s.coexec_steps > 0 for s in stats)
+    switched = [s for s in stats if s.fallbacks]
+    assert switched and all("belongs to program" in s.last_fallback for s in switched)
