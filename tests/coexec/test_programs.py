@@ -229,3 +229,22 @@ def test_a_wrong_guess_after_ops_were_issued_falls_back_and_stays_exact():
     assert all(s.coexec_steps > 0 for s in stats)
     switched = [s for s in stats if s.fallbacks]
     assert switched and all("belongs to program" in s.last_fallback for s in switched)
+
+
+def test_a_program_whose_model_died_is_dropped():
+    def run(model: nn.Module, opt: torch.optim.Optimizer, data: list) -> coexec.GradientTape:
+        tape = coexec.GradientTape()
+        for x, y in data[:4]:
+            with tape:  # one ``with`` line for both models
+                step(model, opt, x, y)
+        return tape
+
+    model, opt, data = make(6, seed=6)
+    first = run(model, opt, data)._program
+    arena = weakref.ref(first.arena)
+    assert first.graph.nodes() and first.stats.coexec_steps == 1
+    del model, opt
+    gc.collect()
+    run(*make(7, seed=7))  # the next step here finds the first program's parameters dead
+    gc.collect()
+    assert arena() is None and not first.graph.nodes() and not first.paths
