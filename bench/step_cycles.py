@@ -52,7 +52,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'model':<12} {'eager':<24} coexec")
     for name in args.models.split(","):
-        print(f"{name:<12} {str(per_step(name, False, args.steps)):<24} {per_step(name, True, args.steps)}")
+        eager, co = per_step(name, False, args.steps), per_step(name, True, args.steps)
+        print(f"{name:<12} {str(eager):<24} {co}")
 
 
 if __name__ == "__main__":

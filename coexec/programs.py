@@ -135,17 +135,13 @@ def touch(program: Any) -> None:
 def drop(program: Any) -> None:
     """Forget ``program``: its graph, plans and arena go; a tape that ran it keeps its stats."""
     with _lock:
-        _drop(program)
-
-
-def _drop(program: Any) -> None:
-    _lru.pop(program, None)
-    fam = _families.get(program.family_key)
-    if fam is not None:
-        if program in fam.programs:
-            fam.programs.remove(program)
-        fam.owner = {k: e for k, e in fam.owner.items() if e[1] is not program}
-    program.release()
+        _lru.pop(program, None)
+        fam = _families.get(program.family_key)
+        if fam is not None:
+            if program in fam.programs:
+                fam.programs.remove(program)
+            fam.owner = {k: e for k, e in fam.owner.items() if e[1] is not program}
+        program.release()
 
 
 def live_programs() -> int:
@@ -164,7 +160,3 @@ def set_max_programs(n: int) -> int:
         while len(_lru) > n:
             drop(next(iter(_lru)))
         return old
-
-
-def is_parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, torch.nn.Parameter)

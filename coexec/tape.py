@@ -422,7 +422,8 @@ class _Step:
 
     def _new_session(self, program: Program) -> Session:
         tape = self.tape
-        arena = (program.arena_plan, program.arena) if tape.arena and program.arena is not None else None
+        use = tape.arena and program.arena is not None
+        arena = (program.arena_plan, program.arena) if use else None
         return Session(runtime.executor(), tape.timeout, arena, program.budget_plan)
 
     # -- which program (coexec/programs.py) -------------------------------------------------
@@ -463,17 +464,19 @@ class _Step:
             return
         tape = self.tape
         fresh = not sk.trace.ops and not sk.trace.fetches
-        settings = (target.budget, target.offload, target.use_arena)
-        if fresh and target.stats.phase == "coexec" and target.budget_error is None and settings == (
-            tape.memory_budget, tape.offload, tape.arena
-        ):
+        planned_alike = target.budget_error is None and (
+            target.budget, target.offload, target.use_arena
+        ) == (tape.memory_budget, tape.offload, tape.arena)
+        if fresh and target.stats.phase == "coexec" and planned_alike:
             old, self.session = self.session, self._new_session(target)
             sk.session, sk.graph = self.session, target.graph
             sk.cursor = Cursor(target.graph, sk.trace, mutate=False)
             old.close()
             return
         self.quiet = fresh and target.stats.phase == "tracing"
-        sk.fall_back(f"the step reads {why}, so it belongs to program {target.index} at this `with`")
+        sk.fall_back(
+            f"the step reads {why}, so it belongs to program {target.index} at this `with`"
+        )
 
     def end(self, error: BaseException | None) -> None:
         stats = self.program.stats

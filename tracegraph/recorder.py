@@ -390,7 +390,8 @@ class _TensorMap:
         self._d: dict[int, tuple[weakref.ref, Any]] = {}
         # called with the value when its tensor dies; a method is held weakly (its object
         # holds this map: a cycle only the garbage collector would free)
-        self._on_release = weakref.WeakMethod(on_release) if hasattr(on_release, "__self__") else on_release
+        weak = hasattr(on_release, "__self__")
+        self._on_release = weakref.WeakMethod(on_release) if weak else on_release
 
     def clear(self) -> None:
         """Forget every tensor (no callbacks from now on)."""

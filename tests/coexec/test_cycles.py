@@ -4,6 +4,7 @@ in eager, not left to the cycle collector (which would run in the middle of late
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ class Net(nn.Module):
         return self.out(h)
 
 
-def collected_per_step(use_coexec: bool, ks: list[int]) -> tuple[list[int], list[float], coexec.TapeStats | None]:
+def collected_per_step(use_coexec: bool, ks: list[int]) -> tuple[list[int], list[float], Any]:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)

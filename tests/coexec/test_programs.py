@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import random
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from torch import nn
 import coexec
 from coexec import programs
 
-STEPS = 6  # per run: two new traces (Adam makes its state in the first step), one covered, then co-executed
+# per run: two new traces (Adam makes its state in the first step), one covered, then co-executed
+STEPS = 6
 
 
 def make(width: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, list]:
@@ -25,7 +27,7 @@ def make(width: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, list]
     return model, opt, data
 
 
-def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Any:
     opt.zero_grad()
     loss = F.mse_loss(model(x), y)
     loss.backward()
@@ -33,7 +35,7 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch
     return loss
 
 
-def train(width: int, use_coexec: bool, keep: list) -> tuple[list[float], list[torch.Tensor], coexec.TapeStats | None]:
+def train(width: int, use_coexec: bool, keep: list) -> tuple[list, list, Any]:
     """The helper of a sweep: every run goes through the same ``with`` line."""
     model, opt, data = make(width, seed=width)
     keep.append(model)
@@ -56,18 +58,16 @@ def sweep(widths: list[int], keep_models: bool) -> None:
         keep = kept if keep_models else []
         losses, params, stats = train(w, True, keep)
         assert losses == e_losses, f"width {w}: losses differ"
-        assert all(torch.equal(a, b) for a, b in zip(params, e_params)), f"width {w}: parameters differ"
+        assert all(torch.equal(a, b) for a, b in zip(params, e_params)), f"width {w}: params differ"
         # each run is its own program: its own warm-up (as the model alone would: two new
         # traces, one covered), then co-executed to the end
-        assert (stats.steps, stats.traces, stats.coexec_steps, stats.fallbacks) == (STEPS, 2, STEPS - 3, 0), (
-            w,
-            stats,
-        )
+        got = (stats.steps, stats.traces, stats.coexec_steps, stats.fallbacks)
+        assert got == (STEPS, 2, STEPS - 3, 0), (w, stats)
         assert stats.phase == "coexec"
 
 
 def test_a_sweep_of_twelve_widths_through_one_helper_co_executes_every_run():
-    sweep([2 + 3 * i for i in range(12)], keep_models=True)  # the models stay alive: the programs too
+    sweep([2 + 3 * i for i in range(12)], keep_models=True)  # the models, so the programs, stay
 
 
 def test_a_sweep_whose_models_die_between_runs():
@@ -187,7 +187,8 @@ def test_key_names_one_program_for_every_model():
 def interleaved(order: list[int], use_coexec: bool) -> tuple[list, list, list]:
     """Two models stepped in ``order`` through one ``with``; each step does an op (x * 0.5)
     before it reads a parameter."""
-    data = [(torch.randn(8, 6, generator=torch.Generator().manual_seed(i)), torch.ones(8, 1)) for i in range(len(order))]
+    gens = [torch.Generator().manual_seed(i) for i in range(len(order))]
+    data = [(torch.randn(8, 6, generator=g), torch.ones(8, 1)) for g in gens]
     pairs = two_models()
     losses, stats = [], [None, None]
     for i, m in enumerate(order):
