@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from .location import CODES
 from .schema import FED, TensorMeta, is_number_like, schema_of
@@ -189,6 +189,10 @@ class TraceGraph:
 
         All or nothing: if merging fails part way, the graph is left exactly as it was.
         """
+        return self.merge_placed(trace).changed
+
+    def merge_placed(self, trace: Trace) -> "Merged":
+        """:meth:`merge`, also saying where each of the trace's ops landed in the graph."""
         _check_trace(trace, "merge")
         cursor = Cursor(self, trace, mutate=True)
         try:
@@ -197,7 +201,8 @@ class TraceGraph:
             cursor.rollback()
             raise
         self.traces += 1
-        return cursor.changed
+        places = tuple((node.id, ctx) for node, ctx in (cursor.placed[i] for i in range(len(trace.ops))))
+        return Merged(cursor.changed, places)
 
     def covers(self, trace: Trace) -> bool:
         """True when ``trace`` is a path of the graph, with no new node, edge or feed."""
@@ -301,6 +306,13 @@ def _check_trace(trace: Any, verb: str) -> None:
             f"cannot {verb} the trace of a step that raised "
             f"{type(trace.error).__name__}: {trace.error}; it holds only part of the step"
         )
+
+
+class Merged(NamedTuple):
+    """What :meth:`TraceGraph.merge_placed` did with a trace."""
+
+    changed: bool  # it added nodes or edges or generalised a node
+    places: tuple[tuple[int, "Ctx"], ...]  # per op index: its node id and loop context
 
 
 class NotCovered(Exception):
