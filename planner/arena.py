@@ -128,12 +128,22 @@ def select_placed(
             profiles[i][0][a : b + 1] -= sign * aligned(nbytes)
             profiles[i][1][a : b + 1] += sign * nbytes
 
+    size = {k: max(n for *_r, n in spans) for k, spans in where.items()}
+    keys_of = list(where)
+    # per path, every stretch of a key as arrays (start, end, key number): which keys are
+    # resident at a position is then one vectorised test, not a scan of every key
+    spans_of = []
+    for i in range(len(paths)):
+        rows = [(a, b, n) for n, k in enumerate(keys_of) for j, a, b, _b in where[k] if j == i]
+        spans_of.append(np.array(rows, dtype=np.int64).reshape(-1, 3))
     placed, best = set(where), total()
     while True:  # out of the arena, while the total does not grow
         i = max(range(len(profiles)), key=lambda j: profiles[j][0].max())
         t = int(profiles[i][0].argmax())
-        there = [k for k in placed if any(j == i and a <= t <= b for j, a, b, _n in where[k])]
-        for key in sorted(there, key=lambda k: (-max(n for *_r, n in where[k]), str(k))):
+        s = spans_of[i]
+        live = {keys_of[n] for n in s[(s[:, 0] <= t) & (s[:, 1] >= t), 2].tolist()}
+        there = [k for k in live if k in placed]
+        for key in sorted(there, key=lambda k: (-size[k], str(k))):
             move(key, 1)
             now = total()
             if now <= best:  # (a tie may open the way to a lower total at another peak)
@@ -146,7 +156,7 @@ def select_placed(
     added = True
     while added:  # back in where that costs nothing (the more the arena holds, the better),
         added = False  # until none can: one that goes in may make room under the arena for another
-        for key in sorted(set(where) - placed, key=lambda k: (-max(n for *_r, n in where[k]), str(k))):
+        for key in sorted(set(where) - placed, key=lambda k: (-size[k], str(k))):
             move(key, -1)
             if total() <= best:
                 placed.add(key)
