@@ -23,6 +23,7 @@ from .errors import (
 from planner.remat import BudgetTooSmall
 
 from .placeholder import Placeholder
+from .planning import wait_for_plans
 from .programs import set_max_programs
 from .runtime import synchronize
 from .tape import GradientTape, TapeStats
@@ -32,4 +33,5 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "BudgetTooSmall", "CoexecError", "CoexecUsageError", "ExecutorDied", "ExecutorError", "ExecutorTimeout",
     "GradientTape", "Placeholder", "TapeStats", "ValueLostError", "set_max_programs", "synchronize",
+    "wait_for_plans",
 ]  # fmt: skip

@@ -10,7 +10,7 @@ the op's ``out=`` variant, into a view of the arena at the planned offset.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +19,7 @@ from executor import laid_out, span_bytes, writes_in_place
 from planner import LOCAL, PlanningGraph
 from planner.arena import ArenaPlan, plan_arena, select_placed
 from planner.remat import remat_replay
-from tracegraph import Cursor, Fetch, Trace, TraceGraph
-from tracegraph.structure import in_order
+from tracegraph import Trace
 
 
 def iterations(ctx: tuple) -> tuple:
@@ -28,25 +27,24 @@ def iterations(ctx: tuple) -> tuple:
     return tuple((loop, it) for loop, _inst, it in ctx)
 
 
-def path_keys(graph: TraceGraph, trace: Trace, g: PlanningGraph) -> tuple[dict[int, Hashable], list[Hashable]]:
-    """Keys of a path's storages (storage id -> key of every storage the trace allocates) and
-    of its ops (op index -> (node id, loop iterations)), by walking it over the graph."""
-    cursor = Cursor(graph, trace, mutate=False)
-    keys: dict[int, Hashable] = {}
-    op_keys: list[Hashable] = [None] * len(trace.ops)
+def op_keys(places: Iterable[tuple[int, tuple]]) -> tuple[Hashable, ...]:
+    """Keys of a path's ops that hold across steps, (node id, loop iterations) per op index,
+    from where a walk over the graph placed them (the merge that added the path, or the
+    skeleton's cursor): computed once per path, when it is observed."""
+    return tuple((node_id, iterations(ctx)) for node_id, ctx in places)
+
+
+def storage_keys(trace: Trace, g: PlanningGraph, keys: tuple) -> dict[int, Hashable]:
+    """Keys of the storages a path allocates (storage id -> (node id, output, iterations)),
+    from its ``keys`` (:func:`op_keys`)."""
     values = trace.values
-    for x in in_order(trace):
-        if isinstance(x, Fetch):
-            cursor.fetch(x)
-            continue
-        node = cursor.op(x)
-        its = iterations(cursor.placed[x.index][1])
-        op_keys[x.index] = (node.id, its)
-        for sid in g.ops[x.index].allocates:
-            k = next(i for i, v in enumerate(x.outputs) if values[v].storage == sid)
-            keys[sid] = (node.id, k, its)
-    cursor.finish()
-    return keys, op_keys
+    out: dict[int, Hashable] = {}
+    for op in trace.ops:
+        node_id, its = keys[op.index]
+        for sid in g.ops[op.index].allocates:
+            k = next(i for i, v in enumerate(op.outputs) if values[v].storage == sid)
+            out[sid] = (node_id, k, its)
+    return out
 
 
 # the skeleton sweeps for dead placeholders every SWEEP_EVERY submissions, so a value may
@@ -65,7 +63,7 @@ def lagged(g: PlanningGraph) -> PlanningGraph:
     return g
 
 
-def plan_program_arena(graph: TraceGraph, traces: list[Trace]) -> ArenaPlan | None:
+def plan_program_arena(traces: Sequence[Trace], keys: Sequence[tuple]) -> ArenaPlan | None:
     """The arena over every observed path for the storages ops will write in place. Each is
     resident from its producer until the executor frees it, as a budget plan that drops nothing
     has it (``remat_replay``'s segments): when the program let go of its last tensor (in the
@@ -73,10 +71,10 @@ def plan_program_arena(graph: TraceGraph, traces: list[Trace]) -> ArenaPlan | No
     alone, or the next op planned over its bytes would find them taken and use the allocator,
     on top of the arena."""
     paths, resident = [], []
-    for t in traces:
+    for t, path_keys in zip(traces, keys):
         g = lagged(PlanningGraph.from_trace(t))
         ok = placeable_storages(g, t)
-        paths.append((g, {sid: k for sid, k in path_keys(graph, t, g)[0].items() if sid in ok}))
+        paths.append((g, {sid: k for sid, k in storage_keys(t, g, path_keys).items() if sid in ok}))
         resident.append(remat_replay(g, list(range(len(g))), []).segments)
     if not paths:
         return None
@@ -95,7 +93,7 @@ def placeable_storages(g: PlanningGraph, trace: Trace) -> set[int]:
     made by an op with an ``out=`` variant whose every output is a fresh storage
     (coexec/skeleton.py, ``_arena_out``), and which writes them as planned: not known to lay
     them out otherwise, and tried once per op key on stand-in values
-    (:func:`coexec.arena.probe_out_variant`)."""
+    (:func:`probe_out_variant`, run by :func:`probe_path` when the path was observed)."""
     values = trace.values
     out = set()
     for rec, op in zip(trace.ops, g.ops):
@@ -107,14 +105,30 @@ def placeable_storages(g: PlanningGraph, trace: Trace) -> set[int]:
         ov = out_variant(rec.func)
         if ov is None or writes_in_place(ov[0]) is False:
             continue
-        metas = tuple(values[v].meta for v in rec.outputs)
-        key = (rec.func, rec.key.attrs, rec.key.metas, metas)
-        ok = _PROBED.get(key)
-        if ok is None:
-            ok = _PROBED[key] = probe_out_variant(rec.func, rec.key.attrs, rec.key.metas, metas)
-        if ok:
+        if _PROBED.get(_probe_key(rec, values), False):  # (not yet probed: not placed)
             out.update(made)
     return out
+
+
+def probe_path(trace: Trace) -> None:
+    """Try the ``out=`` variants of a path's ops that :func:`placeable_storages` will ask
+    about, once per op key. On the step's thread, when the path is observed: a probe forks the
+    RNG and catches warnings, which are process-wide, so planning (in the background, while
+    steps run) only reads the answers."""
+    values = trace.values
+    for rec in trace.ops:
+        if not rec.outputs or any(a is not None for a in rec.out_alias[: rec.n_returned]):
+            continue
+        ov = out_variant(rec.func)
+        if ov is None or writes_in_place(ov[0]) is False:
+            continue
+        key = _probe_key(rec, values)
+        if key not in _PROBED:
+            _PROBED[key] = probe_out_variant(rec.func, rec.key.attrs, rec.key.metas, key[3])
+
+
+def _probe_key(rec: Any, values: list) -> tuple:
+    return (rec.func, rec.key.attrs, rec.key.metas, tuple(values[v].meta for v in rec.outputs))
 
 
 _OUT_VARIANTS: dict[Any, Any] = {}

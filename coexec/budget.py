@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +36,10 @@ from planner.remat import (
     plan_remat_paths,
     split_peaks,
 )
-from tracegraph import Trace, TraceGraph
+from tracegraph import Trace
 
-from .arena import lagged, path_keys, placeable_storages
+from .arena import lagged, placeable_storages
+from .arena import storage_keys as path_storage_keys
 
 # plans with an arena: how often the budget the storages are planned to is lowered by what the
 # arena's fragmentation and the storages outside it add, before the smallest plan is tried
@@ -136,8 +137,8 @@ class BudgetPlan:
 
 
 def plan_program_budget(
-    graph: TraceGraph,
-    traces: list[Trace],
+    traces: Sequence[Trace],
+    keys: Sequence[tuple],
     budget: int,
     time_limit: float = 30.0,
     bandwidth: Bandwidth | None = None,
@@ -153,11 +154,10 @@ def plan_program_budget(
     storages are planned to a lower budget."""
     t0 = time.perf_counter()
     paths, storage_keys = [], []
-    for trace in traces:
+    for trace, op_keys in zip(traces, keys):
         g = lagged(PlanningGraph.from_trace(trace))
-        skeys, op_keys = path_keys(graph, trace, g)
-        paths.append(RematPath(g, list(range(len(g))), op_keys))
-        storage_keys.append(skeys)
+        paths.append(RematPath(g, list(range(len(g))), list(op_keys)))
+        storage_keys.append(path_storage_keys(trace, g, op_keys))
     _fill_from_traced(paths, storage_keys, traces)
     placeable = None
     if arena:  # planned jointly: the solver sizes the arena (coexec/arena.py places it)

@@ -19,17 +19,20 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from executor import ExecutorDied, ExecutorError, ExecutorTimeout
-from planner.remat import BudgetTooSmall
+from planner.remat import BudgetTooSmall, format_bytes
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
 
 from . import programs, runtime
+from .arena import iterations, op_keys, probe_path
+from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
 from .skeleton import Session, Skeleton, raise_executor_error
 
@@ -65,6 +68,11 @@ class TapeStats:
     step_seconds: float = 0.0
     planned_step_seconds: float | None = None
     over_budget_steps: int = 0  # co-executed steps over the budget (paths not yet planned)
+    # plans are made in the background (coexec/planning.py): the observed paths the plan in
+    # use has seen, and the time steps spent asking for plans, taking them, or waiting for one
+    # (only under a memory budget)
+    planned_paths: int = 0
+    plan_wait_seconds: float = 0.0
 
 
 class Program:
@@ -80,70 +88,130 @@ class Program:
         self.stats = TapeStats()
         self.capped = False
         self.paths: list = []  # traces that added to the graph: the observed paths
-        self.arena_plan = None  # planner.arena.ArenaPlan over self.paths
+        self.path_keys: list[tuple] = []  # per path, its op keys (coexec.arena.op_keys)
+        self.arena_plan = None  # planner.arena.ArenaPlan over (some of) self.paths
         self.arena: torch.Tensor | None = None
         self.budget_plan = None  # coexec.budget.BudgetPlan for self.budget
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
-        self.offload: bool | None = None  # the tape's offload setting the plan was made with
-        self.use_arena: bool | None = None  # the tape's arena setting the plans were made with
+        self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
+        self.offload: bool | None = None  # the tape's offload setting the plans are made with
+        self.use_arena: bool | None = None  # the tape's arena setting the plans are made with
+        self.requested = 0  # plans asked for (coexec/planning.py), numbered
+        self.installed = 0  # the number of the plan in use
+        self.latest: Future | None = None  # the latest plan asked for, until it is used
+        self.futures: list[Future] = []  # plans asked for and not yet used or dropped
+        self.released = False
 
-    def replan(self, budget: int | None, offload: bool | None = None, arena: bool = True) -> None:
-        """Plan every observed path: to the budget if there is one (raises BudgetTooSmall, and
-        keeps it to raise again at the next step with the same budget), with ``offload``
-        (park storages on the host too; None: when the step runs on a GPU); and the arena,
-        if ``arena``: under a budget the budget plan places it (on a CPU; on a GPU budgets
-        run without one for now), else :meth:`replan_arena`."""
-        from executor import measure_bandwidth
+    # -- plans (made in the background: coexec/planning.py) ------------------------------
+    def add_path(self, trace: Any, keys: tuple) -> None:
+        """A path observed: its trace and op keys, and the probes planning will ask about."""
+        self.paths.append(trace)
+        self.path_keys.append(keys)
+        probe_path(trace)
 
-        from .budget import plan_program_budget, step_device
+    def request_plan(self, budget: int | None, offload: bool | None, arena: bool) -> str | None:
+        """Ask for plans over every observed path: to the budget if there is one, with
+        ``offload`` (park storages on the host too; None: when the step runs on a GPU), and
+        the arena if ``arena`` (under a budget the budget plan places it, on a CPU). Plans of
+        other settings stop counting at once; plans of the same settings are used until the
+        new ones arrive (:meth:`collect`). Returns a line for the debug log."""
+        settings = (budget, offload, arena)
+        if settings != (self.budget, self.offload, self.use_arena):
+            self.budget, self.offload, self.use_arena = settings
+            self.budget_plan, self.budget_error, self.plan_failure = None, None, None
+            self.stats.planned_paths = 0
+            self._use_arena_plan(None)
+        self.requested += 1
+        if self.latest is not None:
+            self.latest.cancel()  # still queued: never made (its paths are in this request)
+        req = PlanRequest(self.requested, tuple(self.paths), tuple(self.path_keys), *settings)
+        if not self.paths or (budget is None and not arena):
+            self.latest = None
+            self._install(PlanResult(req))
+            return None
+        self.latest = PLANNER.submit(req)
+        self.futures.append(self.latest)
+        what = f"memory budget {format_bytes(budget)}" if budget is not None else "arena"
+        return f"planning {len(self.paths)} path(s) in the background ({what})"
 
-        self.budget, self.offload, self.use_arena = budget, offload, arena
-        self.budget_plan, self.budget_error = None, None
-        self.arena_plan, self.arena = None, None
-        if budget is None:
-            if arena and self.paths:
-                self.replan_arena()
-            return
-        if not self.paths:
-            return
-        device = step_device(self.paths)
-        if offload is None:
-            offload = device.type == "cuda"
-        bandwidth = measure_bandwidth(device) if offload else None
-        try:
-            self.budget_plan = plan_program_budget(
-                self.graph, self.paths, budget, bandwidth=bandwidth, arena=arena and device.type == "cpu"
+    @property
+    def plan_current(self) -> bool:
+        """Do the plans in use cover every observed path, with the latest settings?"""
+        return self.installed == self.requested
+
+    def collect(self, wait: bool) -> list[str]:
+        """Use the newest plan that has arrived (between steps, on the step's thread); with
+        ``wait``, first wait for the latest one asked for. Returns lines for the debug log."""
+        if self.released:
+            return []
+        lines = []
+        if wait and self.latest is not None and not self.plan_current:
+            lines.append(
+                f"waiting for the plan of {len(self.paths)} path(s): under a memory budget a "
+                "step co-executes only on a plan that has seen every observed path"
             )
-        except BudgetTooSmall as e:
-            # kept as its arguments: the exception's traceback would keep the step alive
-            self.budget_error = (e.budget, e.smallest, e.detail)
-            raise
-        self._use_arena_plan(self.budget_plan.arena)
+            self.latest.result()
+        done = [f for f in self.futures if f.done() and not f.cancelled()]
+        self.futures = [f for f in self.futures if not f.done()]
+        settings = (self.budget, self.offload, self.use_arena)
+        results = [f.result() for f in done]
+        fresh = [
+            r for r in results
+            if r.request.number > self.installed
+            and (r.request.budget, r.request.offload, r.request.arena) == settings
+        ]  # fmt: skip
+        if fresh:
+            result = max(fresh, key=lambda r: r.request.number)
+            lines.append(self._install(result))
+        return lines
 
-    def replan_arena(self) -> None:
-        """One arena for every observed path, validated per path by the simulator. A plan the
-        simulator rejects is never executed: the program runs without an arena, and says so."""
-        from planner import InvalidPlan
-
-        from .arena import plan_program_arena
-        try:
-            plan = plan_program_arena(self.graph, self.paths)
-        except InvalidPlan as e:
+    def _install(self, result: PlanResult) -> str:
+        """Use ``result``'s plans from the next step on; a plan that failed is said, never
+        used: without a budget the steps run without an arena, under one they cannot run."""
+        req = result.request
+        self.installed, self.stats.planned_paths = req.number, len(req.traces)
+        self.budget_plan, self.budget_error = result.budget_plan, result.budget_error
+        self.plan_failure = None
+        where = f"the step at {self.where}"
+        if result.invalid is not None:
             warnings.warn(
-                f"coexec: the arena plan for the step at {self.where} failed validation ({e}); "
+                f"coexec: the arena plan for {where} failed validation ({result.invalid}); "
                 "its steps allocate without an arena",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=5,
             )
-            plan = None
-        self._use_arena_plan(plan)
+        if result.error is not None:
+            e = result.error
+            if req.budget is not None:
+                self.plan_failure = f"{type(e).__name__}: {e}"
+            else:
+                warnings.warn(
+                    f"coexec: planning the arena for {where} failed ({type(e).__name__}: {e}); "
+                    "its steps allocate without an arena",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+        self._use_arena_plan(result.arena_plan)
+        line = f"plan of {len(req.traces)} path(s) ready after {result.seconds:.2f} s"
+        if result.budget_plan is not None:
+            line += f": {result.budget_plan.summary()}"
+        elif result.arena_plan is not None:
+            line += f": arena {format_bytes(result.arena_plan.arena_bytes)}"
+        elif result.budget_error is not None:
+            line += f": {BudgetTooSmall(*result.budget_error)}"
+        return line
 
     def release(self) -> None:
-        """Dropped (coexec.programs): let go of the graph, the plans and the arena. The
-        statistics stay, for a tape that ran the program to report."""
+        """Dropped (coexec.programs): let go of the graph, the plans and the arena, and of
+        plans still being made (they never attach). The statistics stay, for a tape that ran
+        the program to report."""
+        self.released = True
+        for f in self.futures:
+            f.cancel()
+        self.futures, self.latest = [], None
         self.graph = TraceGraph()
-        self.paths = []
+        self.paths, self.path_keys = [], []
         self.arena_plan, self.arena, self.budget_plan = None, None, None
         self.params = {}
 
@@ -206,14 +274,27 @@ class GradientTape:
         memory_budget: int | str | None = None,
         offload: bool | None = None,
     ) -> None:
-        if not isinstance(max_traces, int) or max_traces < 1:
-            raise ValueError(f"max_traces must be a positive int, got {max_traces!r}")
+        if not isinstance(max_traces, int) or isinstance(max_traces, bool):
+            raise TypeError(f"max_traces must be an int (new traces before staying eager), got {max_traces!r}")
+        if max_traces < 1:
+            raise ValueError(f"max_traces must be at least 1, got {max_traces!r}")
         if sync not in SYNC_POLICIES:
             raise ValueError(f"sync must be one of {SYNC_POLICIES}, got {sync!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
+        if not isinstance(debug, bool):
+            raise TypeError(f"debug must be True or False, got {debug!r}")
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(
+                f"key must be hashable (it names the program, like a dict key), got {key!r}; "
+                "use a tuple or a string"
+            ) from None
         self.max_traces = max_traces
         self.sync = sync
         self.backend = backend
@@ -223,10 +304,10 @@ class GradientTape:
         from .budget import parse_budget
 
         self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
-        if offload not in (None, True, False):
+        if offload is not None and not isinstance(offload, bool):
             raise TypeError(f"offload must be True, False or None (automatic), got {offload!r}")
         self.offload = offload
-        if arena not in (None, True, False):
+        if arena is not None and not isinstance(arena, bool):
             raise TypeError(f"arena must be True, False or None (on without a budget), got {arena!r}")
         self.arena = self.memory_budget is None if arena is None else arena
         self._thread = threading.get_ident()
@@ -250,14 +331,42 @@ class GradientTape:
             program = _new_program(fam)
         else:
             programs.touch(program)
-        if (program.budget, program.offload, program.use_arena) != (self.memory_budget, self.offload, self.arena):
-            program.replan(self.memory_budget, self.offload, self.arena)
-        elif program.budget_error is not None:
-            raise BudgetTooSmall(*program.budget_error)
         self._program = program
+        self._plan(program)
         self._step = _Step(self, program, frame, fam)
         _local.tape = self
         return self
+
+    def _plan(self, program: Program) -> None:
+        """Before a step: plans for this tape's settings, the newest that has arrived (under a
+        budget a co-executed step waits for a plan of every observed path); a budget no plan
+        meets raises here, before the step changes anything."""
+        t0 = time.perf_counter()
+        lines = []
+        settings = (self.memory_budget, self.offload, self.arena)
+        if (program.budget, program.offload, program.use_arena) != settings:
+            lines.append(program.request_plan(*settings))
+        wait = program.budget is not None and program.stats.phase == "coexec"
+        lines += program.collect(wait)
+        if program.budget_error is not None and not program.plan_current:
+            # a plan of fewer paths found the budget too small: so will the plan of them all;
+            # its figure is the one that holds for every observed path
+            lines += program.collect(wait=True)
+        program.stats.plan_wait_seconds += time.perf_counter() - t0
+        if self.debug:
+            for line in lines:
+                if line:
+                    _log(program, line)
+        if program.budget_error is not None:
+            budget, smallest, detail = program.budget_error
+            ran = "this step has not run (the steps before it ran eagerly while it was planned)"
+            raise BudgetTooSmall(budget, smallest, f"{detail}; {ran}" if detail else ran)
+        if program.plan_failure is not None:
+            raise RuntimeError(
+                f"coexec: planning the memory budget of the step at {program.where} failed "
+                f"({program.plan_failure}); a co-executed step cannot keep to the budget without "
+                "a plan. Please report this with the step's code; memory_budget=None runs it."
+            )
 
     def __exit__(self, et, ev, tb) -> bool:  # noqa: ANN001
         step, self._step = self._step, None
@@ -464,9 +573,12 @@ class _Step:
             return
         tape = self.tape
         fresh = not sk.trace.ops and not sk.trace.fetches
-        planned_alike = target.budget_error is None and (
-            target.budget, target.offload, target.use_arena
-        ) == (tape.memory_budget, tape.offload, tape.arena)
+        planned_alike = (
+            target.budget_error is None
+            and target.plan_failure is None
+            and (target.budget is None or target.plan_current)
+            and (target.budget, target.offload, target.use_arena) == (tape.memory_budget, tape.offload, tape.arena)
+        )
         if fresh and target.stats.phase == "coexec" and planned_alike:
             old, self.session = self.session, self._new_session(target)
             sk.session, sk.graph = self.session, target.graph
@@ -545,7 +657,6 @@ class _Step:
         """A covered step may still take a path no plan has seen (a loop running more
         iterations than any traced step), or make tensors of other sizes than the traced
         steps did (data-dependent shapes): say so if it went over, and plan a new path."""
-        from .arena import iterations
         from .budget import path_signature
 
         program, stats = self.program, self.program.stats
@@ -564,9 +675,8 @@ class _Step:
                 stacklevel=4,
             )
         if not planned:
-            program.paths.append(sk.trace)
-            program.replan(program.budget, program.offload, program.use_arena)
-            self._log_budget()
+            program.add_path(sk.trace, path_signature(sk.cursor.placed, iterations))
+            self._log(program.request_plan(program.budget, program.offload, program.use_arena))
 
     def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
         """Bind the step's placeholders, give persistent state its real tensors, and let the
@@ -593,12 +703,13 @@ class _Step:
 
     def _merge(self, trace: Any, fell_back: bool) -> None:
         program, stats = self.program, self.program.stats
-        added = program.graph.merge(trace)
+        merged = program.graph.merge_placed(trace)
+        added = merged.changed
         stats.traces += added
         if added:
-            program.paths.append(trace)
-            program.replan(self.tape.memory_budget, self.tape.offload, self.tape.arena)
-            self._log_budget()
+            program.add_path(trace, op_keys(merged.places))
+            tape = self.tape
+            self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")
@@ -614,14 +725,14 @@ class _Step:
                     stacklevel=4,
                 )
 
-    def _log(self, msg: str) -> None:
-        if self.tape.debug:
-            n = f" program {self.program.index}" if self.program.index > 1 else ""
-            print(f"coexec [{self.program.where}{n}]: {msg}", file=sys.stderr)
+    def _log(self, msg: str | None) -> None:
+        if self.tape.debug and msg:
+            _log(self.program, msg)
 
-    def _log_budget(self) -> None:
-        if self.tape.debug and self.program.budget_plan is not None:
-            self._log(self.program.budget_plan.summary())
+
+def _log(program: Program, msg: str) -> None:
+    n = f" program {program.index}" if program.index > 1 else ""
+    print(f"coexec [{program.where}{n}]: {msg}", file=sys.stderr)
 
 
 def _persistent_bytes(trace: Any) -> int:

@@ -38,7 +38,9 @@ def run(
     use_coexec: bool,
     **tape_options: Any,
 ) -> tuple[list[float], list[torch.Tensor], coexec.GradientTape | None]:
-    """``make()`` builds the state (seeded); ``step(state, i)`` runs step i and returns the loss."""
+    """``make()`` builds the state (seeded); ``step(state, i)`` runs step i and returns the loss.
+    Under coexec each step waits for the plans its trace asked for, so the next step runs on
+    them whatever the machine's load (tests/coexec/test_planning.py tests steps that do not)."""
     state = make()
     tape_options.setdefault("key", ("test", next(_keys)))
     tape = coexec.GradientTape(**tape_options) if use_coexec else None
@@ -49,6 +51,7 @@ def run(
         else:
             with tape:
                 loss = step(state, i)
+            coexec.wait_for_plans()
         losses.append(as_float(loss))
     return losses, [t.detach().clone() for t in tensors_of(state)], tape
 

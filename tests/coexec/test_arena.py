@@ -57,6 +57,7 @@ def test_values_that_outlive_the_step_do_not_point_into_the_arena():
     for i in range(8):
         with tape:
             step(s, i)
+        coexec.wait_for_plans()  # the next step runs on the plan this one asked for
     arena = tape._program.arena
     assert arena is not None and tape.stats.coexec_steps >= 4
     for h in s.kept:

@@ -1,0 +1,154 @@
+"""Does planning stall a step? (issue 14: "Planning must never stall a step")
+
+    python bench/planning_stall.py [--episodes 60] [--lbfgs-steps 12] [--debug]
+
+Two programs that used to stall for seconds while the arena was re-planned after each new
+trace, on the step's critical path:
+
+* REINFORCE: a policy network plays episodes of random length (12-200 steps, drawn from the
+  returns so far), then one policy-gradient update; every episode length is a new trace
+  (the returns tensor has the episode's length) until ``max_traces``;
+* LBFGS: ``optimizer.step(closure)`` on a small regression, where each step runs the closure
+  up to 20 times and the optimizer reads many scalars (``.item()``) between them.
+
+Each program runs eagerly, under ``coexec.GradientTape(arena=False)`` (no plans: what tracing and
+co-execution cost alone), and under ``coexec.GradientTape()`` (same seed, same process). The
+script prints per program: the median eager step, the slowest co-executed or fallback step,
+their ratio, how many steps took over 3x the median eager step, and the time steps spent
+planning on their critical path or waiting for a plan (``tape.stats.plan_wait_seconds``).
+With ``--debug`` the tape logs plans starting and arriving in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import coexec  # noqa: E402
+from common import markdown_table  # noqa: E402
+
+
+class Policy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.body(x), dim=-1)
+
+
+def reinforce(episodes: int, tape_args: dict | None) -> tuple[list[float], list[float], object]:
+    """Per-episode step times and losses; with ``tape_args``, each update runs under a tape."""
+    torch.manual_seed(0)
+    policy = Policy()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    tape = coexec.GradientTape(**tape_args) if tape_args is not None else None
+    gen = torch.Generator().manual_seed(1)
+    times, losses = [], []
+    for ep in range(episodes):
+        length = int(torch.randint(12, 201, (1,), generator=gen))
+        t0 = time.perf_counter()
+        with tape if tape is not None else _Nothing():
+            state = torch.randn(4)
+            log_probs, rewards = [], []
+            for _ in range(length):
+                probs = policy(state)
+                action = torch.multinomial(probs, 1)
+                log_probs.append(torch.log(probs[action]))
+                rewards.append(float(state[0].item() > 0) + 0.1 * action.item())
+                state = state * 0.9 + 0.1 * torch.randn(4)
+            returns, running = [], 0.0
+            for r in reversed(rewards):
+                running = r + 0.99 * running
+                returns.insert(0, running)
+            returns = torch.tensor(returns)
+            returns = (returns - returns.mean()) / (returns.std() + 1e-8)
+            loss = -(torch.cat(log_probs) * returns).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    return times, losses, tape
+
+
+def lbfgs(steps: int, tape_args: dict | None) -> tuple[list[float], list[float], object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=20, history_size=10)
+    x, y = torch.randn(256, 8), torch.randn(256, 1)
+    tape = coexec.GradientTape(**tape_args) if tape_args is not None else None
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with tape if tape is not None else _Nothing():
+
+            def closure():
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            loss = opt.step(closure)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    return times, losses, tape
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--episodes", type=int, default=60)
+    ap.add_argument("--lbfgs-steps", type=int, default=12)
+    ap.add_argument("--debug", action="store_true", help="the tape logs plans to stderr")
+    args = ap.parse_args()
+    rows = []
+    modes = (("eager", None), ("coexec, no plans", {"arena": False}), ("coexec", {}))
+    for name, fn, n in (("REINFORCE", reinforce, args.episodes), ("LBFGS", lbfgs, args.lbfgs_steps)):
+        base = None
+        for mode, tape_args in modes:
+            if tape_args is not None:
+                tape_args = {**tape_args, "debug": args.debug}
+            times, losses, tape = fn(n, tape_args)
+            coexec.wait_for_plans()  # plans of this run are not made during the next one
+            if base is None:
+                base, eager_losses = statistics.median(times), losses
+            slowest = max(range(n), key=lambda i: times[i])
+            s = tape.stats if tape is not None else None
+            rows.append(
+                {
+                    "program": name,
+                    "run": mode,
+                    "steps": n,
+                    "median step (ms)": f"{1e3 * statistics.median(times):.1f}",
+                    "slowest step (ms)": f"{1e3 * times[slowest]:.0f} (step {slowest})",
+                    "slowest / median eager": f"{times[slowest] / base:.1f}x",
+                    "steps > 3x median eager": sum(t > 3 * base for t in times),
+                    "total (s)": f"{sum(times):.2f}",
+                    "planning on the steps (s)": f"{s.plan_wait_seconds:.3f}" if s else "",
+                    "traces / coexec / fallbacks": f"{s.traces} / {s.coexec_steps} / {s.fallbacks}" if s else "",
+                    "bit-equal losses": losses == eager_losses,
+                }
+            )
+            print(f"{name}, {mode}: step times (ms):", " ".join(f"{1e3 * t:.0f}" for t in times), flush=True)
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Planning off the step's critical path (issue 14: "Planning must never stall a step").
+
+After a new trace a program's plans (its arena and, under a memory budget, what to drop,
+recompute and offload) are made again over every observed path. That takes from milliseconds to
+seconds, so it runs here, on one background thread, while the program's steps go on: a step
+uses the newest plan that has arrived when it starts (:meth:`coexec.tape.Program.collect`),
+or none (the allocator, in issue order). Under a memory budget a co-executed step never runs
+on a plan that has not seen every observed path: it waits for the plan (``debug`` says so).
+
+:func:`make_plan` is a pure function from a :class:`PlanRequest` to a :class:`PlanResult`:
+requests carry the paths' traces and their op keys (computed when each path was observed, on
+the step's thread: the TraceGraph is never read here, so steps may merge into it meanwhile).
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from planner.remat import BudgetTooSmall
+from tracegraph import Trace
+
+
+SWITCH_INTERVAL = 2e-4
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Plan these paths with these settings (a tape's ``memory_budget``, ``offload`` and
+    ``arena``); ``number`` orders a program's requests (a newer plan replaces an older one)."""
+
+    number: int
+    traces: tuple[Trace, ...]
+    keys: tuple[tuple, ...]  # per path: coexec.arena.op_keys
+    budget: int | None
+    offload: bool | None
+    arena: bool
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """What planning a :class:`PlanRequest` gave: the plans, or why there are none."""
+
+    request: PlanRequest
+    arena_plan: Any = None  # planner.arena.ArenaPlan; None: steps allocate without an arena
+    budget_plan: Any = None  # coexec.budget.BudgetPlan (under a budget)
+    budget_error: tuple | None = None  # BudgetTooSmall's arguments: no plan meets the budget
+    invalid: str | None = None  # the arena plan failed the simulator's validation: why
+    error: BaseException | None = None  # planning itself failed (a bug: said, never hidden)
+    seconds: float = 0.0
+
+
+def make_plan(req: PlanRequest) -> PlanResult:
+    """The plans for ``req``: an arena over every path, or a budget plan (with its arena on a
+    CPU). Errors are results, not exceptions: they reach the step's thread with the plan."""
+    from executor import measure_bandwidth
+    from planner import InvalidPlan
+
+    from .arena import plan_program_arena
+    from .budget import plan_program_budget, step_device
+
+    t0 = time.perf_counter()
+    try:
+        if req.budget is None:
+            try:
+                plan = plan_program_arena(req.traces, req.keys) if req.arena else None
+            except InvalidPlan as e:
+                return PlanResult(req, invalid=str(e), seconds=time.perf_counter() - t0)
+            return PlanResult(req, arena_plan=plan, seconds=time.perf_counter() - t0)
+        device = step_device(list(req.traces))
+        offload = device.type == "cuda" if req.offload is None else req.offload
+        bandwidth = measure_bandwidth(device) if offload else None
+        try:
+            budget_plan = plan_program_budget(
+                req.traces, req.keys, req.budget, bandwidth=bandwidth,
+                arena=req.arena and device.type == "cpu",
+            )  # fmt: skip
+        except BudgetTooSmall as e:
+            # kept as its arguments: the exception's traceback would keep frames alive
+            error = (e.budget, e.smallest, e.detail)
+            return PlanResult(req, budget_error=error, seconds=time.perf_counter() - t0)
+        return PlanResult(
+            req, arena_plan=budget_plan.arena, budget_plan=budget_plan, seconds=time.perf_counter() - t0
+        )
+    except Exception as e:  # noqa: BLE001  (handed to the step's thread, which says so)
+        return PlanResult(req, error=e, seconds=time.perf_counter() - t0)
+
+
+class Planner:
+    """One daemon thread making plans in the order they were asked for. A request that is
+    still queued when its program asks again is dropped (:meth:`Future.cancel`)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._unfinished: set[Future] = set()
+        self._closed = False
+
+    def submit(self, req: PlanRequest) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                future.cancel()
+                return future
+            self._unfinished.add(future)
+            future.add_done_callback(self._unfinished.discard)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="coexec-planner", daemon=True)
+                self._thread.start()
+        self._queue.put((future, req))
+        return future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every plan asked for so far is made; False if ``timeout`` ran out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                pending = [f for f in self._unfinished if not f.done()]
+            if not pending:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            try:
+                pending[0].result(left)
+            except Exception:  # noqa: BLE001  (the step that collects it says what went wrong)
+                pass
+
+    def close(self) -> None:
+        """At exit: make no more plans (one being made is abandoned with its daemon thread)."""
+        with self._lock:
+            self._closed = True
+            for f in list(self._unfinished):
+                f.cancel()
+
+    def _run(self) -> None:
+        while True:
+            future, req = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            before = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL)
+            try:
+                future.set_result(make_plan(req))
+            finally:
+                sys.setswitchinterval(before)
+
+
+PLANNER = Planner()
+atexit.register(PLANNER.close)
+
+
+def wait_for_plans(timeout: float | None = None) -> bool:
+    """Wait until the plans asked for so far are made (every program, every ``with``); the
+    next step of each program then runs on its newest plan. Steps never need this: it is for
+    measurements and tests that want the planned steps from a known step on. Returns False if
+    ``timeout`` (seconds) ran out first."""
+    return PLANNER.wait(timeout)
