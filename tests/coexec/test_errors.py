@@ -181,6 +181,26 @@ def test_bad_options_are_explained(kwargs, match):
         coexec.GradientTape(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_traces": True}, r"max_traces must be an int .*got True"),
+        ({"max_traces": 2.5}, r"max_traces must be an int .*got 2.5"),
+        ({"timeout": "10"}, r"timeout must be a number of seconds, got '10'"),
+        ({"timeout": True}, r"timeout must be a number of seconds, got True"),
+        ({"key": [1]}, r"key must be hashable .*got \[1\]; use a tuple or a string"),
+        ({"key": {"run": 1}}, r"key must be hashable"),
+        ({"debug": "yes"}, r"debug must be True or False, got 'yes'"),
+        ({"arena": "on"}, r"arena must be True, False or None"),
+        ({"offload": 1}, r"offload must be True, False or None"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused_when_the_tape_is_made(kwargs, match):
+    """Not at the first step, where a wrong key used to fail (unhashable in the registry)."""
+    with pytest.raises(TypeError, match=match):
+        coexec.GradientTape(**kwargs)
+
+
 def test_max_traces_caps_tracing_with_one_warning():
     w = torch.randn(4, requires_grad=True)
     tape = coexec.GradientTape(key="cap", max_traces=2)
