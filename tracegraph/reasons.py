@@ -162,7 +162,9 @@ class _Diff(NamedTuple):
 _META_FIELDS = ("shape", "dtype", "device", "layout", "stride", "requires_grad")
 
 
-def _first_diff(cursor: "Cursor", node: "Node", rec: "OpRecord", srcs: tuple, ctx: tuple) -> _Diff | None:
+def _first_diff(
+    cursor: "Cursor", node: "Node", rec: "OpRecord", srcs: tuple, ctx: tuple
+) -> _Diff | None:
     for p, (a, b) in enumerate(zip(node.key.attrs, rec.key.attrs)):
         if p not in node.promoted and a != b:
             return _Diff("attr", p, "", b, a)
@@ -184,7 +186,9 @@ def op_reason(
     same line, or the branch it takes."""
     func, loc = rec.key.func, rec.key.loc
     where = line_of(loc)
-    here = [c for c in region.succ[cur] if c.kind == "op" and c.key.func == func and c.key.loc == loc]
+    here = [
+        c for c in region.succ[cur] if c.kind == "op" and c.key.func == func and c.key.loc == loc
+    ]
     diffs = [d for d in (_first_diff(cursor, c, rec, srcs, ctx) for c in here) if d is not None]
     if diffs:
         d = diffs[0]
@@ -200,7 +204,9 @@ def op_reason(
     return FallbackReason(NEW_OP, msg, where)
 
 
-def _phrase(cursor: "Cursor", rec: "OpRecord", d: _Diff, theirs: list, where: str) -> FallbackReason:
+def _phrase(
+    cursor: "Cursor", rec: "OpRecord", d: _Diff, theirs: list, where: str
+) -> FallbackReason:
     func = rec.key.func
     op = op_at(func, rec.key.loc)
     if d.kind == "attr":
@@ -222,7 +228,8 @@ def _phrase(cursor: "Cursor", rec: "OpRecord", d: _Diff, theirs: list, where: st
         mine = _show_meta(d.field, d.mine)
         tail = f"the graph has {_and([_show_meta(d.field, t) for t in theirs])}"
         if d.field == "shape":
-            return FallbackReason(SHAPE, f"{what} has shape {mine}, {tail} (a size that varies)", where)
+            msg = f"{what} has shape {mine}, {tail} (a size that varies)"
+            return FallbackReason(SHAPE, msg, where)
         return FallbackReason(
             TENSOR, f"{what} has {d.field} {mine}, {tail} (a tensor property that varies)", where
         )
