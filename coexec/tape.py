@@ -28,12 +28,14 @@ from executor import ExecutorDied, ExecutorError, ExecutorTimeout
 from planner.remat import BudgetTooSmall
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
+from tracegraph.reasons import FallbackReason, why_new
 
 from . import programs, runtime
 from .errors import CoexecUsageError
 from .skeleton import Session, Skeleton, raise_executor_error
 
 PHASES = ("tracing", "coexec", "eager")
+REASONS = 10  # fallback / new-trace reasons kept per program (TapeStats.fallback_reasons)
 SYNC_POLICIES = ("step", "none")
 BACKENDS = ("interpret",)
 
@@ -46,9 +48,15 @@ class TapeStats:
     traces: int = 0  # traces that added to the TraceGraph (tracing phase and fallbacks)
     fallbacks: int = 0  # co-executed steps that left the graph and finished eagerly
     coexec_steps: int = 0  # steps co-executed from start to end
-    phase: str = "tracing"  # the phase the next step runs in
+    phase: str = "tracing"  # the phase the NEXT step runs in
+    # the phase the step that just ran ran in ("" before any): "tracing", "coexec" (also when
+    # it fell back to eager part way: see fallbacks), or "eager" (after max_traces)
+    last_phase: str = ""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     last_fallback: str | None = None  # why the latest fallback happened
+    # the latest 10 reasons, oldest first, as "step 7: ..." (steps counted from 0): why a
+    # co-executed step fell back, why a tracing step's trace was new (tracegraph.reasons)
+    fallback_reasons: tuple[str, ...] = ()
     # where co-executed steps spent their time (Terra Fig. 3.11): the skeleton waiting on the
     # executor (fetches, the end of the step), and the executor computing
     stall_seconds: float = 0.0
@@ -87,6 +95,7 @@ class Program:
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.offload: bool | None = None  # the tape's offload setting the plan was made with
         self.use_arena: bool | None = None  # the tape's arena setting the plans were made with
+        self.reasons: list[tuple[int, FallbackReason]] = []  # the latest REASONS, with steps
 
     def replan(self, budget: int | None, offload: bool | None = None, arena: bool = True) -> None:
         """Plan every observed path: to the budget if there is one (raises BudgetTooSmall, and
@@ -492,6 +501,7 @@ class _Step:
                 self._end_coexec(error)
         finally:
             stats.seconds[self.phase] += time.perf_counter() - self.t0
+            stats.last_phase = self.phase
 
     def _end_coexec(self, error: BaseException | None) -> None:
         sk = self.rec
@@ -533,11 +543,11 @@ class _Step:
             stats.fallbacks += 1
             stats.last_fallback = sk.fallback_reason
             self._log(f"fell back to eager: {sk.fallback_reason}")
-            self._merge(sk.trace, fell_back=True)
+            self._merge(sk.trace, fell_back=True, why=sk.fallback_why)
         else:
             stats.coexec_steps += 1
             if not covered:
-                self._merge(sk.trace, fell_back=False)
+                self._merge(sk.trace, fell_back=False, why=sk.end_reason)
             elif self.program.budget_plan is not None:
                 self._check_budget(sk)
 
@@ -591,8 +601,14 @@ class _Step:
         else:
             session.close()
 
-    def _merge(self, trace: Any, fell_back: bool) -> None:
+    def _merge(self, trace: Any, fell_back: bool, why: FallbackReason | None = None) -> None:
         program, stats = self.program, self.program.stats
+        if why is None and not fell_back:  # a traced step: why is its trace new, if it is?
+            why = why_new(program.graph, trace)
+        if why is not None:
+            if not fell_back:
+                self._log(f"new trace: {why.message}")
+            self._note(why)
         added = program.graph.merge(trace)
         stats.traces += added
         if added:
@@ -613,6 +629,12 @@ class _Step:
                     RuntimeWarning,
                     stacklevel=4,
                 )
+
+    def _note(self, why: FallbackReason) -> None:
+        """Keep ``why`` among the program's latest reasons (TapeStats.fallback_reasons)."""
+        program, stats = self.program, self.program.stats
+        program.reasons = [*program.reasons, (stats.steps - 1, why)][-REASONS:]
+        stats.fallback_reasons = tuple(f"step {k}: {r.message}" for k, r in program.reasons)
 
     def _log(self, msg: str) -> None:
         if self.tape.debug:

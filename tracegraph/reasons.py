@@ -145,8 +145,11 @@ def _show_meta(field: str, v: Any) -> str:
     return str(v).replace("torch.", "")
 
 
-def _and(items: list[str]) -> str:
+def _and(items: list[str], most: int = 3) -> str:
+    """``a, b and c``; past ``most`` items, the latest ones and how many more."""
     seen = list(dict.fromkeys(items))
+    if len(seen) > most:
+        return ", ".join(seen[-most:]) + f" and {len(seen) - most} more"
     return seen[0] if len(seen) == 1 else ", ".join(seen[:-1]) + " and " + seen[-1]
 
 

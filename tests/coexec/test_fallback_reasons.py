@@ -1,0 +1,79 @@
+"""Why a step keeps falling back (issue 14): ``tape.stats.fallback_reasons``, ``last_phase``,
+``debug=True`` and the ``max_traces`` warning at the user's ``with`` line."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+import coexec
+
+SOURCE = Path(__file__).read_text().splitlines()
+_keys = itertools.count()
+
+
+def at(mark: str) -> int:
+    """The line of this file that carries the comment ``# mark``."""
+    (n,) = [i + 1 for i, line in enumerate(SOURCE) if line.endswith(f"# {mark}")]
+    return n
+
+
+def sgd_step(w: torch.Tensor, x: torch.Tensor, lr: float) -> torch.Tensor:
+    loss = (x @ w).pow(2).sum()
+    loss.backward()
+    with torch.no_grad():
+        w.sub_(w.grad * lr)  # update
+    w.grad = None
+    return loss
+
+
+def test_reasons_and_phases_of_a_scalar_that_varies(capsys):
+    torch.manual_seed(0)
+    w = torch.randn(4, 1, requires_grad=True)
+    x = torch.randn(8, 4)
+    tape = coexec.GradientTape(key=("reasons", next(_keys)), debug=True)
+    seen = []
+    for lr in (0.1, 0.1, 0.2, 0.3):
+        with tape:
+            sgd_step(w, x, lr)
+        seen.append((tape.stats.last_phase, tape.stats.phase))
+    assert seen == [
+        ("tracing", "tracing"), ("tracing", "coexec"), ("coexec", "coexec"), ("coexec", "coexec")
+    ]
+    scalar = (
+        f"argument 1 (other) of aten::mul at test_fallback_reasons.py:{at('update')} was 0.2, "
+        "the graph has 0.1 (a Python scalar that varies)"
+    )
+    stats = tape.stats
+    assert stats.fallbacks == 1 and stats.last_fallback == scalar  # lr is fed from then on
+    first = "step 0: the first trace: the graph was empty"
+    assert stats.fallback_reasons == (first, f"step 2: {scalar}")
+    err = capsys.readouterr().err
+    assert "new trace: the first trace: the graph was empty" in err
+    assert f"fell back to eager: {scalar}" in err
+
+
+def shape_step(w: torch.Tensor, n: int) -> torch.Tensor:
+    x = torch.ones(n, 4)  # batch
+    loss = (x @ w).sum()
+    loss.backward()
+    w.grad = None
+    return loss
+
+
+def test_the_latest_ten_reasons_are_kept():
+    w = torch.randn(4, 1, requires_grad=True)
+    tape = coexec.GradientTape(key=("reasons", next(_keys)), max_traces=100)
+    for i in range(14):
+        with tape:
+            shape_step(w, 2 + i)
+    stats = tape.stats
+    assert (stats.traces, stats.last_phase, stats.phase) == (14, "tracing", "tracing")
+    assert [r.split(":")[0] for r in stats.fallback_reasons] == [f"step {k}" for k in range(4, 14)]
+    assert stats.fallback_reasons[-1] == (
+        f"step 13: argument 0 (size) of aten::ones at test_fallback_reasons.py:{at('batch')} was "
+        "[15, 4], the graph has [12, 4], [13, 4], [14, 4] and 10 more (a size that varies)"
+    )
