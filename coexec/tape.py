@@ -31,6 +31,7 @@ from tracegraph.location import CODES
 from tracegraph.reasons import FallbackReason, why_new
 
 from . import programs, runtime
+from .causes import max_traces_message
 from .errors import CoexecUsageError
 from .skeleton import Session, Skeleton, raise_executor_error
 
@@ -412,6 +413,7 @@ class _Step:
         self.quiet = False  # switched program before anything ran: a plain traced step
         self.phase = program.stats.phase
         self.t0 = time.perf_counter()
+        self.with_line = (frame.f_code.co_filename, frame.f_lineno)  # the user's ``with``
         self.rec: Recorder | None = None
         self.session: Session | None = None
         if self.phase == "tracing":
@@ -622,13 +624,10 @@ class _Step:
             stats.phase = "eager"
             if not program.capped:
                 program.capped = True
-                warnings.warn(
-                    f"coexec: the step at {program.where} produced {stats.traces} different "
-                    f"traces (max_traces={self.tape.max_traces}); it runs eagerly from now on. "
-                    "Its control flow keeps changing; raise max_traces if it settles later.",
-                    RuntimeWarning,
-                    stacklevel=4,
+                msg = max_traces_message(
+                    program.where, stats.traces, self.tape.max_traces, program.reasons
                 )
+                warnings.warn_explicit(msg, RuntimeWarning, *self.with_line)
 
     def _note(self, why: FallbackReason) -> None:
         """Keep ``why`` among the program's latest reasons (TapeStats.fallback_reasons)."""

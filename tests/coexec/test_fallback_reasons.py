@@ -77,3 +77,55 @@ def test_the_latest_ten_reasons_are_kept():
         f"step 13: argument 0 (size) of aten::ones at test_fallback_reasons.py:{at('batch')} was "
         "[15, 4], the graph has [12, 4], [13, 4], [14, 4] and 10 more (a size that varies)"
     )
+
+
+def branch_step(w: torch.Tensor, i: int) -> torch.Tensor:
+    y = w * 1
+    if i == 1:
+        y = y.sin()
+    if i == 2:
+        y = y.cos()
+    loss = y.sum()
+    loss.backward()
+    w.grad = None
+    return loss
+
+
+SIZES = (
+    "sizes that vary: pad or bucket the inputs to a few shapes, or use a fixed batch size "
+    "(DataLoader(..., drop_last=True)) (2 of the latest 2 reasons)"
+)
+SCALARS = (
+    "Python scalars that vary: pass them as 0-d tensors (e.g. the learning rate as "
+    "torch.tensor(lr)) or keep them constant (1 of the latest 1 reasons)"
+)
+CONTROL = (
+    "control flow that varies: the number of distinct paths exceeds max_traces; raise "
+    "max_traces or move the varying part out of the step (2 of the latest 2 reasons)"
+)
+
+
+@pytest.mark.parametrize(
+    "step, max_traces, cause",
+    [
+        (lambda w, i: shape_step(w, 2 + i), 3, SIZES),
+        (lambda w, i: sgd_step(w, torch.ones(8, 4), 0.1 * (i + 1)), 2, SCALARS),
+        (branch_step, 3, CONTROL),
+    ],
+    ids=["sizes", "scalars", "control-flow"],
+)
+def test_max_traces_warns_at_the_with_line_with_the_likely_cause(step, max_traces, cause):
+    w = torch.randn(4, 1, requires_grad=True)
+    tape = coexec.GradientTape(key=("reasons", next(_keys)), max_traces=max_traces)
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on") as caught:
+        for i in range(5):
+            with tape:  # the with line
+                step(w, i)
+    (warning,) = [x for x in caught if "max_traces" in str(x.message)]
+    assert (warning.filename, warning.lineno) == (__file__, at("the with line"))
+    text = str(warning.message)
+    assert f"produced {max_traces} different traces (max_traces={max_traces})" in text
+    assert f"it runs eagerly from now on. Likely cause: {cause}. Most recent: step " in text
+    reasons = tape.stats.fallback_reasons
+    assert text.endswith(f"Most recent: {'; '.join(reasons[-2:])}.")
+    assert tape.stats.phase == "eager" and tape.stats.last_phase == "eager"
