@@ -30,7 +30,7 @@ from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
 from tracegraph.reasons import FallbackReason, why_new
 
-from . import programs, runtime
+from . import observe, programs, runtime
 from .causes import max_traces_message
 from .errors import CoexecUsageError
 from .skeleton import Session, Skeleton, raise_executor_error
@@ -278,6 +278,13 @@ class GradientTape:
         finally:
             self._program = step.program  # it may have switched program (another model)
             step.family.ran(step.program)
+        if observe.observers:  # python -m tracegraph show --record
+            stats = step.program.stats
+            covered = step.phase == "coexec" and step.why is None
+            observe.notify(observe.StepReport(
+                step.program.where, step.program.index, stats.steps - 1, step.phase, covered,
+                step.why,
+            ))  # fmt: skip
         return False
 
     # -- API ------------------------------------------------------------------------------
@@ -414,6 +421,7 @@ class _Step:
         self.phase = program.stats.phase
         self.t0 = time.perf_counter()
         self.with_line = (frame.f_code.co_filename, frame.f_lineno)  # the user's ``with``
+        self.why: FallbackReason | None = None  # why it fell back, or why its trace is new
         self.rec: Recorder | None = None
         self.session: Session | None = None
         if self.phase == "tracing":
@@ -632,6 +640,7 @@ class _Step:
     def _note(self, why: FallbackReason) -> None:
         """Keep ``why`` among the program's latest reasons (TapeStats.fallback_reasons)."""
         program, stats = self.program, self.program.stats
+        self.why = why
         program.reasons = [*program.reasons, (stats.steps - 1, why)][-REASONS:]
         stats.fallback_reasons = tuple(f"step {k}: {r.message}" for k, r in program.reasons)
 

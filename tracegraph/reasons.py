@@ -192,11 +192,12 @@ def op_reason(
     here = [
         c for c in region.succ[cur] if c.kind == "op" and c.key.func == func and c.key.loc == loc
     ]
-    diffs = [d for d in (_first_diff(cursor, c, rec, srcs, ctx) for c in here) if d is not None]
+    diffs = [(c, _first_diff(cursor, c, rec, srcs, ctx)) for c in here]
+    diffs = [(c, d) for c, d in diffs if d is not None]
     if diffs:
-        d = diffs[0]
-        theirs = [x.theirs for x in diffs if x[:3] == d[:3]]
-        return _phrase(cursor, rec, d, theirs, where)
+        node, d = diffs[0]
+        theirs = [x.theirs for _, x in diffs if x[:3] == d[:3]]
+        return _phrase(cursor, rec, node, d, theirs, where)
     prev = node_at(cur)
     onward = _onward(region, cur)
     seen = any(n.kind == "op" and n.key.func == func and n.key.loc == loc for n in cursor.g.nodes())
@@ -208,7 +209,7 @@ def op_reason(
 
 
 def _phrase(
-    cursor: "Cursor", rec: "OpRecord", d: _Diff, theirs: list, where: str
+    cursor: "Cursor", rec: "OpRecord", node: "Node", d: _Diff, theirs: list, where: str
 ) -> FallbackReason:
     func = rec.key.func
     op = op_at(func, rec.key.loc)
@@ -217,7 +218,7 @@ def _phrase(
         head = f"argument {d.pos} ({arg.name}) of {op} was {_show(d.mine)}, "
         tail = f"the graph has {_and([_show(t) for t in theirs])}"
         if is_number_like(d.mine) and is_number_like(d.theirs):
-            if _is_size(func, arg.name):
+            if _is_size(cursor, rec, node, arg.name):
                 return FallbackReason(SHAPE, head + tail + " (a size that varies)", where)
             return FallbackReason(SCALAR, head + tail + " (a Python scalar that varies)", where)
         return FallbackReason(ARGUMENT, head + tail + " (an argument that varies)", where)
@@ -242,9 +243,15 @@ def _phrase(
     return FallbackReason(DATAFLOW, msg, where)
 
 
-def _is_size(func: Any, name: str) -> bool:
-    """Is argument ``name`` a size (``SymInt``, ``SymInt[]``, ``SymInt?``) in the schema?"""
-    return re.search(rf"SymInt[^ ,]* {re.escape(name)}\b", str(func._schema)) is not None
+def _is_size(cursor: "Cursor", rec: "OpRecord", node: "Node", name: str) -> bool:
+    """Does the differing argument ``name`` change sizes? When the op's outputs are known (a
+    recorded trace): do their shapes differ from the node's. Else (an op not run yet): is it
+    a size in the schema (``SymInt``, ``SymInt[]``), other than an ``index``."""
+    if rec.outputs:
+        shapes = tuple(cursor.t.values[v].meta.shape for v in rec.outputs)
+        return shapes != tuple(m.shape for m in node.out_metas)
+    found = re.search(rf"SymInt[^ ,]* {re.escape(name)}\b", str(rec.key.func._schema))
+    return found is not None and name != "index"
 
 
 def _source_at(cursor: "Cursor", src: tuple) -> str:
