@@ -22,6 +22,7 @@ class StepReport:
     step: int  # the program's step, counted from 0 (as in TapeStats.fallback_reasons)
     phase: str  # the phase the step ran in: "tracing", "coexec" or "eager"
     covered: bool  # co-executed from start to end on the graph: no fallback, nothing new
+    fell_back: bool  # co-executed, then left the graph and finished eagerly
     reason: FallbackReason | None  # why it fell back, or why its trace was new
 
 

@@ -280,10 +280,12 @@ class GradientTape:
             step.family.ran(step.program)
         if observe.observers:  # python -m tracegraph show --record
             stats = step.program.stats
-            covered = step.phase == "coexec" and step.why is None
+            coexecuted = step.phase == "coexec"
+            covered = coexecuted and step.why is None
+            fell_back = coexecuted and isinstance(step.rec, Skeleton) and step.rec.eager
             observe.notify(observe.StepReport(
                 step.program.where, step.program.index, stats.steps - 1, step.phase, covered,
-                step.why,
+                fell_back, step.why,
             ))  # fmt: skip
         return False
 
