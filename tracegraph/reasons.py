@@ -8,8 +8,10 @@ that ends early. The message is built only on failure, so matching costs nothing
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .location import BWD, CODES, Location
@@ -154,6 +156,20 @@ def _and(items: list[str], most: int = 3) -> str:
 
 
 # -- the reasons ---------------------------------------------------------------------------
+def _never_fails(fn: Callable[..., FallbackReason]) -> Callable[..., FallbackReason]:
+    """A reason is built inside the step it explains (a co-executed op that left the graph):
+    a bug here must not become the user's error."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> FallbackReason:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            return FallbackReason(OTHER, f"the step left the graph ({fn.__name__}: {e!r})", "")
+
+    return wrapper
+
+
 class _Diff(NamedTuple):
     kind: str  # "attr" | "meta" | "source"
     pos: int
@@ -182,6 +198,7 @@ def _first_diff(
     return None
 
 
+@_never_fails
 def op_reason(
     cursor: "Cursor", region: "Region", cur: "Node", rec: "OpRecord", srcs: tuple, ctx: tuple
 ) -> FallbackReason:
@@ -266,6 +283,7 @@ def _source_at(cursor: "Cursor", src: tuple) -> str:
     return f"the result of {desc}" + (" (inside a loop)" if kind == "loop" else "")
 
 
+@_never_fails
 def loop_reason(region: "Region", cur: "Node", key: tuple) -> FallbackReason:
     """Why a loop starting here is not in the graph: the graph has no loop there."""
     where = _loop_line(key)
@@ -273,6 +291,7 @@ def loop_reason(region: "Region", cur: "Node", key: tuple) -> FallbackReason:
     return FallbackReason(LOOP, msg, where)
 
 
+@_never_fails
 def end_reason(region: "Region", cur: "Node") -> FallbackReason:
     """Why the step (or a loop's iteration) cannot end after ``cur``: the graph goes on."""
     where = line_of(cur.key.loc) if cur.kind == "op" else ""

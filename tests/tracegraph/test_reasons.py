@@ -157,3 +157,10 @@ def test_not_covered_keeps_its_message_as_str():
         Cursor(g, rec(x4, lr=0.5), mutate=False).run()
     assert str(info.value) == info.value.reason.message and info.value.reason.category == "scalar"
     assert str(NotCovered("plain")) == "plain" and NotCovered("plain").reason.category == "other"
+
+
+def test_a_reason_that_cannot_be_built_does_not_break_the_step():
+    from tracegraph.reasons import end_reason
+
+    why = end_reason(None, None)  # a bug while explaining: a plain reason, not an exception
+    assert why.category == "other" and why.message.startswith("the step left the graph (end_reason")
