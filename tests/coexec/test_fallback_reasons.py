@@ -129,3 +129,19 @@ def test_max_traces_warns_at_the_with_line_with_the_likely_cause(step, max_trace
     reasons = tape.stats.fallback_reasons
     assert text.endswith(f"Most recent: {'; '.join(reasons[-2:])}.")
     assert tape.stats.phase == "eager" and tape.stats.last_phase == "eager"
+
+
+def test_a_fallback_on_a_size_made_in_the_step_names_where_it_was_made():
+    w = torch.ones(3, requires_grad=True)
+    tape = coexec.GradientTape(key=("reasons", next(_keys)))
+    for i in range(4):
+        x = torch.tensor([1.0, 0.0, 2.0]) if i < 3 else torch.tensor([1.0, 3.0, 2.0])
+        with tape:
+            idx = (x * w).nonzero()  # made
+            loss = idx.sum()  # reads made
+        assert float(loss) == float((x != 0).nonzero().sum())
+    assert tape.stats.fallbacks == 1 and tape.stats.last_fallback == (
+        f"tensor input 0 of aten::sum at test_fallback_reasons.py:{at('reads made')}, made by "
+        f"aten::nonzero at test_fallback_reasons.py:{at('made')}, has shape [3, 1], the graph "
+        "has [2, 1] (a size that varies)"
+    )

@@ -164,3 +164,21 @@ def test_a_reason_that_cannot_be_built_does_not_break_the_step():
 
     why = end_reason(None, None)  # a bug while explaining: a plain reason, not an exception
     assert why.category == "other" and why.message.startswith("the step left the graph (end_reason")
+
+
+def test_a_tensor_made_in_the_step_with_a_size_that_varies():
+    def pick(x):
+        idx = x.nonzero()  # made
+        return idx.sum()  # reads made
+
+    traces = []
+    for x in (torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 3.0, 2.0])):
+        with record() as tr:
+            pick(x)
+        traces.append(tr)
+    assert why_new(graph_of(traces[0]), traces[1]) == FallbackReason(
+        "shape",
+        f"tensor input 0 of aten::sum at {at('reads made')}, made by aten::nonzero at "
+        f"{at('made')}, has shape [3, 1], the graph has [2, 1] (a size that varies)",
+        at("reads made"),
+    )
