@@ -25,6 +25,7 @@ from executor import (
     Drop, Executor, ExecutorError, Free, FreeRange, HostPool, Offload, ResetPeak, Restore, Run,
 )  # fmt: skip
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
+from tracegraph.reasons import OTHER, FallbackReason
 from tracegraph.location import CODES
 from tracegraph.schema import TensorMeta, schema_of
 
@@ -182,7 +183,9 @@ class Skeleton(Recorder):
         self.session = session
         self.cursor: Cursor | None = None
         self.eager = False
-        self.fallback_reason: str | None = None
+        self.fallback_reason: str | None = None  # its message (fallback_why.message)
+        self.fallback_why: FallbackReason | None = None
+        self.end_reason: FallbackReason | None = None  # why a covered prefix did not end there
         self.optimizers: list[Any] = []
         # rematerialization (session.remat): trace storage id -> storage key of the storages
         # the plan drops, trace values per storage, recipe ops not yet indexed, drops due
@@ -219,7 +222,7 @@ class Skeleton(Recorder):
         try:
             node = self.cursor.op(rec)
         except NotCovered as e:
-            self.fall_back(str(e))
+            self.fall_back(e.reason)
             return super().execute(rec, func, args, kwargs, tensors)
 
         base, first, n_ret = session.base, len(self.trace.values), node.n_returned
@@ -408,7 +411,7 @@ class Skeleton(Recorder):
             try:
                 self.cursor.fetch(self.trace.fetches[-1])
             except NotCovered as e:
-                self.fall_back(str(e))
+                self.fall_back(e.reason)
 
     def before_fetch(self, kind: str, t: Any) -> None:
         if self.eager:
@@ -434,10 +437,13 @@ class Skeleton(Recorder):
     def sync(self) -> None:
         self.session.drain()
 
-    def fall_back(self, reason: str) -> None:
+    def fall_back(self, reason: str | FallbackReason) -> None:
         """Finish the confirmed prefix, bind placeholders, go on eagerly."""
+        if not isinstance(reason, FallbackReason):
+            reason = FallbackReason(OTHER, reason, "")
         self.eager = True
-        self.fallback_reason = reason
+        self.fallback_why = reason
+        self.fallback_reason = reason.message
         self.sync()
         # the rest of the step computes eagerly on these values: give them their own memory
         self.session.bind_all(release=False)
@@ -448,8 +454,9 @@ class Skeleton(Recorder):
         if covered:
             try:
                 self.cursor.finish()
-            except NotCovered:
+            except NotCovered as e:
                 covered = False
+                self.end_reason = e.reason
         return covered
 
     def leaves(self) -> list[torch.Tensor]:

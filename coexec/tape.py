@@ -29,14 +29,17 @@ from executor import ExecutorDied, ExecutorError, ExecutorTimeout
 from planner.remat import BudgetTooSmall, format_bytes
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
+from tracegraph.reasons import FallbackReason, why_new
 
-from . import programs, runtime
+from . import observe, programs, runtime
 from .arena import iterations, op_keys, probe_path
+from .causes import max_traces_message
 from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
 from .skeleton import Session, Skeleton, raise_executor_error
 
 PHASES = ("tracing", "coexec", "eager")
+REASONS = 10  # fallback / new-trace reasons kept per program (TapeStats.fallback_reasons)
 SYNC_POLICIES = ("step", "none")
 BACKENDS = ("interpret",)
 
@@ -49,9 +52,15 @@ class TapeStats:
     traces: int = 0  # traces that added to the TraceGraph (tracing phase and fallbacks)
     fallbacks: int = 0  # co-executed steps that left the graph and finished eagerly
     coexec_steps: int = 0  # steps co-executed from start to end
-    phase: str = "tracing"  # the phase the next step runs in
+    phase: str = "tracing"  # the phase the NEXT step runs in
+    # the phase the step that just ran ran in ("" before any): "tracing", "coexec" (also when
+    # it fell back to eager part way: see fallbacks), or "eager" (after max_traces)
+    last_phase: str = ""
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     last_fallback: str | None = None  # why the latest fallback happened
+    # the latest 10 reasons, oldest first, as "step 7: ..." (steps counted from 0): why a
+    # co-executed step fell back, why a tracing step's trace was new (tracegraph.reasons)
+    fallback_reasons: tuple[str, ...] = ()
     # where co-executed steps spent their time (Terra Fig. 3.11): the skeleton waiting on the
     # executor (fetches, the end of the step), and the executor computing
     stall_seconds: float = 0.0
@@ -102,6 +111,7 @@ class Program:
         self.latest: Future | None = None  # the latest plan asked for, until it is used
         self.futures: list[Future] = []  # plans asked for and not yet used or dropped
         self.released = False
+        self.reasons: list[tuple[int, FallbackReason]] = []  # the latest REASONS, with steps
 
     # -- plans (made in the background: coexec/planning.py) ------------------------------
     def add_path(self, trace: Any, keys: tuple) -> None:
@@ -377,6 +387,15 @@ class GradientTape:
         finally:
             self._program = step.program  # it may have switched program (another model)
             step.family.ran(step.program)
+        if observe.observers:  # python -m tracegraph show --record
+            stats = step.program.stats
+            coexecuted = step.phase == "coexec"
+            covered = coexecuted and step.why is None
+            fell_back = coexecuted and isinstance(step.rec, Skeleton) and step.rec.eager
+            observe.notify(observe.StepReport(
+                step.program.where, step.program.index, stats.steps - 1, step.phase, covered,
+                fell_back, step.why,
+            ))  # fmt: skip
         return False
 
     # -- API ------------------------------------------------------------------------------
@@ -512,6 +531,8 @@ class _Step:
         self.quiet = False  # switched program before anything ran: a plain traced step
         self.phase = program.stats.phase
         self.t0 = time.perf_counter()
+        self.with_line = (frame.f_code.co_filename, frame.f_lineno)  # the user's ``with``
+        self.why: FallbackReason | None = None  # why it fell back, or why its trace is new
         self.rec: Recorder | None = None
         self.session: Session | None = None
         if self.phase == "tracing":
@@ -604,6 +625,7 @@ class _Step:
                 self._end_coexec(error)
         finally:
             stats.seconds[self.phase] += time.perf_counter() - self.t0
+            stats.last_phase = self.phase
 
     def _end_coexec(self, error: BaseException | None) -> None:
         sk = self.rec
@@ -645,11 +667,11 @@ class _Step:
             stats.fallbacks += 1
             stats.last_fallback = sk.fallback_reason
             self._log(f"fell back to eager: {sk.fallback_reason}")
-            self._merge(sk.trace, fell_back=True)
+            self._merge(sk.trace, fell_back=True, why=sk.fallback_why)
         else:
             stats.coexec_steps += 1
             if not covered:
-                self._merge(sk.trace, fell_back=False)
+                self._merge(sk.trace, fell_back=False, why=sk.end_reason)
             elif self.program.budget_plan is not None:
                 self._check_budget(sk)
 
@@ -701,8 +723,14 @@ class _Step:
         else:
             session.close()
 
-    def _merge(self, trace: Any, fell_back: bool) -> None:
+    def _merge(self, trace: Any, fell_back: bool, why: FallbackReason | None = None) -> None:
         program, stats = self.program, self.program.stats
+        if why is None and not fell_back:  # a traced step: why is its trace new, if it is?
+            why = why_new(program.graph, trace)
+        if why is not None:
+            if not fell_back:
+                self._log(f"new trace: {why.message}")
+            self._note(why)
         merged = program.graph.merge_placed(trace)
         added = merged.changed
         stats.traces += added
@@ -717,13 +745,17 @@ class _Step:
             stats.phase = "eager"
             if not program.capped:
                 program.capped = True
-                warnings.warn(
-                    f"coexec: the step at {program.where} produced {stats.traces} different "
-                    f"traces (max_traces={self.tape.max_traces}); it runs eagerly from now on. "
-                    "Its control flow keeps changing; raise max_traces if it settles later.",
-                    RuntimeWarning,
-                    stacklevel=4,
+                msg = max_traces_message(
+                    program.where, stats.traces, self.tape.max_traces, program.reasons
                 )
+                warnings.warn_explicit(msg, RuntimeWarning, *self.with_line)
+
+    def _note(self, why: FallbackReason) -> None:
+        """Keep ``why`` among the program's latest reasons (TapeStats.fallback_reasons)."""
+        program, stats = self.program, self.program.stats
+        self.why = why
+        program.reasons = [*program.reasons, (stats.steps - 1, why)][-REASONS:]
+        stats.fallback_reasons = tuple(f"step {k}: {r.message}" for k, r in program.reasons)
 
     def _log(self, msg: str | None) -> None:
         if self.tape.debug and msg:

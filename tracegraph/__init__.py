@@ -13,14 +13,15 @@
 
 from .cases import Case, SwitchCase, select_cases
 from .graph import Cursor, IncompleteTraceError, Merged, Node, NotCovered, Region, TraceGraph
+from .reasons import FallbackReason, why_new
 from .recorder import FETCH_CALLS, Recorder, RecordError, record
 from .structure import Loop
 from .summary import Summary, summarize
 from .trace import Fetch, OpKey, OpRecord, Trace, Value
 
 __all__ = [
-    "Case", "Cursor", "FETCH_CALLS", "Fetch", "IncompleteTraceError", "Loop", "Merged", "Node",
-    "NotCovered",
+    "Case", "Cursor", "FETCH_CALLS", "FallbackReason", "Fetch", "IncompleteTraceError", "Loop",
+    "Merged", "Node", "NotCovered",
     "OpKey", "OpRecord", "RecordError", "Recorder", "Region", "Summary", "SwitchCase", "Trace",
-    "TraceGraph", "Value", "record", "select_cases", "summarize",
+    "TraceGraph", "Value", "record", "select_cases", "summarize", "why_new",
 ]  # fmt: skip

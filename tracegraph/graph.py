@@ -25,7 +25,9 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, NamedTuple
 
+from . import reasons
 from .location import CODES
+from .reasons import NotCovered
 from .schema import FED, TensorMeta, is_number_like, schema_of
 from .structure import LoopKey, LoopTracker, in_order
 from .trace import Fetch, OpKey, OpRecord, Trace
@@ -315,10 +317,6 @@ class Merged(NamedTuple):
     places: tuple[tuple[int, "Ctx"], ...]  # per op index: its node id and loop context
 
 
-class NotCovered(Exception):
-    """The op (or loop, or end of step) is not in the graph where the walk is."""
-
-
 Ctx = tuple  # ((loop node id, instance, iteration), ...) outermost first
 
 
@@ -448,7 +446,7 @@ class Cursor:
         node = next((c for c in children if c.kind == LOOP and c.key == key), None)
         if node is None:
             if not self.mutate:
-                raise NotCovered(f"a new loop at {CODES.describe(key[0] + ((key[1], key[2]),))}")
+                raise NotCovered(reasons.loop_reason(region, cur, key))
             for cand in region.index.get(key, ()):
                 if cand not in children and not region.reaches(cand, cur):
                     node = cand
@@ -476,7 +474,7 @@ class Cursor:
                     cur.match_cache[cache_key] = child
                 return self.visit(child, rec, ctx)
         if not self.mutate:
-            raise NotCovered(f"a new op: {rec!r}")
+            raise NotCovered(reasons.op_reason(self, region, cur, rec, srcs, ctx))
         out_metas = tuple(self.t.values[v].meta for v in rec.outputs)
         for child in children:
             if child.kind == OP and self.generalize(child, rec.key, srcs, out_metas, ctx, True):
@@ -606,8 +604,8 @@ class Cursor:
     def edge(self, region: Region, u: Node, v: Node) -> None:
         if v in region.succ[u]:
             return
-        if not self.mutate:
-            raise NotCovered
+        if not self.mutate:  # only an edge into ``end`` can be missing: matches are children
+            raise NotCovered(reasons.end_reason(region, u))
         region.succ[u].append(v)
         region.pred[v].append(u)
         self.changed = True

@@ -9,7 +9,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .graph import TraceGraph
+from .reasons import why_new
 from .recorder import record
+
+CONVERGED = 3  # covered steps in a row, up to the last, that make a step function converged
+
+
+def converged_at(covered: list[bool], steps: list[int], need: int = CONVERGED) -> int | None:
+    """The first step of the covered steps that end the run, if there are at least ``need``
+    of them in a row (one covered step after new ones says little), else None."""
+    k = len(covered)
+    while k > 0 and covered[k - 1]:
+        k -= 1
+    return steps[k] if len(covered) - k >= need else None
 
 
 @dataclass
@@ -20,6 +32,7 @@ class StepRecord:
     fetches: int
     covered: bool  # the trace was already a path of the graph
     loops: int  # loop executions at the top level of the trace
+    why: str | None = None  # why the trace was new (tracegraph.reasons); None when covered
 
 
 @dataclass
@@ -34,16 +47,18 @@ class Summary:
 
     @property
     def converged_at(self) -> int | None:
-        """The first step from which every later trace was covered, or None."""
-        last_new = max((s.step for s in self.steps if not s.covered), default=None)
-        if last_new is None:
-            return self.steps[0].step if self.steps else None
-        return last_new + 1 if last_new + 1 <= self.steps[-1].step else None
+        """The first step from which every later trace was covered, when at least
+        ``CONVERGED`` steps in a row were covered up to the last; else None."""
+        return converged_at([s.covered for s in self.steps], [s.step for s in self.steps])
+
+    def latest_reasons(self, n: int = 3) -> str:
+        new = [s for s in self.steps if not s.covered][-n:]
+        return "; ".join(f"step {s.step}: {s.why}" for s in new) or "none"
 
     def table(self) -> str:
         rows = [f"{'step':>5} {'ops':>7} {'feeds':>6} {'fetches':>8} {'loops':>6}  trace"]
         for s in self.steps:
-            verdict = "covered" if s.covered else "new -> merged"
+            verdict = "covered" if s.covered else f"new -> merged: {s.why}"
             rows.append(f"{s.step:>5} {s.ops:>7} {s.externals:>6} {s.fetches:>8} {s.loops:>6}  {verdict}")
         return "\n".join(rows)
 
@@ -53,7 +68,8 @@ class Summary:
         conv_txt = (
             f"converged: every trace from step {conv} on was covered"
             if conv is not None
-            else "not converged: the last step still added to the graph"
+            else f"not converged after {len(self.steps)} steps (converged: {CONVERGED} covered "
+            f"steps in a row at the end); reasons: {self.latest_reasons()}"
         )
         return "\n".join(
             [
@@ -81,6 +97,7 @@ def summarize(
     for i in range(steps):
         with record() as trace:
             step_fn(i) if takes_step else step_fn()
+        why = why_new(graph, trace)
         covered = not graph.merge(trace)
         summary.steps.append(
             StepRecord(
@@ -90,6 +107,7 @@ def summarize(
                 fetches=len(trace.fetches) + sum(op.python_result for op in trace.ops),
                 covered=covered,
                 loops=sum(1 for it in trace.items if hasattr(it, "iterations")),
+                why=None if why is None else why.message,
             )
         )
     return summary

@@ -56,3 +56,81 @@ def test_module_entry_point_runs(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "DOT written to" in res.stdout
+
+
+def test_show_says_why_traces_were_new_and_converges_after_three_covered_steps(tmp_path, capsys):
+    index = (
+        "argument 2 (index) of aten::select at variable_length_rnn.py:29 was 1, the graph has 0 "
+        "(a Python scalar that varies)"
+    )
+    main(["show", f"{SCRIPT}:train_step", "-n", "6", "-o", str(tmp_path / "a.dot")])
+    out = capsys.readouterr().out
+    assert "new -> merged: the first trace: the graph was empty" in out
+    assert f"new -> merged: {index}" in out
+    main(["show", f"{SCRIPT}:train_step", "-n", "4", "-o", str(tmp_path / "b.dot")])
+    out = capsys.readouterr().out  # two covered steps after the new ones: not yet
+    assert (
+        "not converged after 4 steps (converged: 3 covered steps in a row at the end); reasons: "
+        f"step 0: the first trace: the graph was empty; step 1: {index}"
+    ) in out
+
+
+TRAINING_SCRIPT = '''\
+import sys
+
+import torch
+
+import coexec
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(4, 1, requires_grad=True)
+    odd = int(sys.argv[1])
+    tape = coexec.GradientTape()
+    for step in range(100):
+        n = 5 if step == odd else 8
+        with tape:
+            x = torch.ones(n, 4)
+            loss = (x @ w).pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                w.sub_(w.grad * 0.1)
+            w.grad = None
+        print(f"loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_record_watches_the_tapes_of_a_script_run_as_main(tmp_path, capsys):
+    script = tmp_path / "train_loop.py"
+    script.write_text(TRAINING_SCRIPT)
+    assert main(["show", "--record", str(script), "--steps", "6", "--", "2"]) == 0
+    out = capsys.readouterr().out
+    size = (
+        "argument 0 (size) of aten::ones at train_loop.py:16 was [5, 4], the graph has [8, 4] "
+        "(a size that varies)"
+    )
+    report = out[out.index("stopped after") :].splitlines()
+    assert report == [
+        "stopped after 6 steps (--steps 6)",
+        f"with at {tmp_path.name}/train_loop.py:15 (main):",
+        "  step   0  tracing  new trace: the first trace: the graph was empty",
+        "  step   1  tracing  covered: co-executes from the next step",
+        f"  step   2  coexec   fell back: {size}",
+        "  step   3  coexec   covered",
+        "  step   4  coexec   covered",
+        "  step   5  coexec   covered",
+        "  converged at step 3",
+    ]
+    assert out.count("loss ") == 5  # the script ran; the sixth step stopped it
+    # the fallback two steps before the end: not converged
+    main(["show", "--record", str(script), "--steps", "6", "--", "4"])
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(
+        "  not converged after 6 steps (3 co-executed steps in a row without fallback needed); "
+        f"reasons: step 0: the first trace: the graph was empty; step 4: {size}"
+    )
