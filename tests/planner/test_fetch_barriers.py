@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from planner import PlanningGraph
-from planner.graph import fetch_barrier_edges, fetch_points
+from planner.graph import _RangeMax, fetch_barrier_edges, fetch_points
 from planner.order import greedy_order
 from planner.simulate import replay
 from tracegraph import record
@@ -62,8 +62,8 @@ def required(preds: list[set[int]], points) -> list[int]:
     return closure(full)
 
 
-def random_case(rng: random.Random):
-    n = rng.randint(1, 40)
+def random_case(rng: random.Random, most: int = 40):
+    n = rng.randint(1, most)
     density = rng.choice([0.0, 0.05, 0.15, 0.4])
     preds = [{u for u in range(v) if rng.random() < density} for v in range(n)]
     points = []
@@ -83,6 +83,25 @@ def test_same_closure_and_a_subset_of_the_reference_edges_on_random_graphs(seed)
     old = reference_barriers(preds, points)
     assert closure(new) == closure(old) == required(preds, points)
     assert all(new[v] <= old[v] for v in range(len(preds)))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_same_closure_on_larger_random_graphs(seed):
+    preds, points = random_case(random.Random(10_000 + seed), most=400)
+    new = with_edges(preds, fetch_barrier_edges(preds, points))
+    old = reference_barriers(preds, points)
+    assert closure(new) == closure(old) == required(preds, points)
+    assert all(new[v] <= old[v] for v in range(len(preds)))
+
+
+def test_range_maximum_of_every_range():
+    rng = random.Random(0)
+    for size in (1, 2, 3, 7, 8, 9, 33):
+        xs = [rng.randrange(100) for _ in range(size)]
+        table = _RangeMax(xs)
+        for lo in range(size):
+            for hi in range(lo + 1, size + 1):
+                assert table.query(lo, hi) == max(xs[lo:hi])
 
 
 def test_many_reads_of_one_long_chain_cost_one_edge_per_source():
