@@ -24,12 +24,21 @@ class _Marker:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        _MARKERS[name] = self
 
     def __repr__(self) -> str:
         return self.name
 
-    def __reduce__(self) -> str:
-        return self.name
+    def __reduce__(self) -> tuple:
+        # the same object after a copy or a pickle (plans are made in another process)
+        return _marker, (self.name,)
+
+
+_MARKERS: dict[str, _Marker] = {}
+
+
+def _marker(name: str) -> _Marker:
+    return _MARKERS[name]
 
 
 DEFAULT = _Marker("DEFAULT")  # argument left at its schema default
