@@ -19,12 +19,16 @@ import queue
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from planner.remat import BudgetTooSmall
 from tracegraph import Trace
+
+if TYPE_CHECKING:
+    from .plan_process import PlanProcess
 
 
 SWITCH_INTERVAL = 2e-4
@@ -41,6 +45,7 @@ class PlanRequest:
     budget: int | None
     offload: bool | None
     arena: bool
+    bandwidth: Any = None  # planner.offload.Bandwidth when offloading (None: measured here)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class PlanResult:
     invalid: str | None = None  # the arena plan failed the simulator's validation: why
     error: BaseException | None = None  # planning itself failed (a bug: said, never hidden)
     seconds: float = 0.0
+    pid: int | None = None  # the process that made it (coexec/plan_process.py), if not this one
 
 
 def make_plan(req: PlanRequest) -> PlanResult:
@@ -75,7 +81,7 @@ def make_plan(req: PlanRequest) -> PlanResult:
             return PlanResult(req, arena_plan=plan, seconds=time.perf_counter() - t0)
         device = step_device(list(req.traces))
         offload = device.type == "cuda" if req.offload is None else req.offload
-        bandwidth = measure_bandwidth(device) if offload else None
+        bandwidth = (req.bandwidth or measure_bandwidth(device)) if offload else None
         try:
             budget_plan = plan_program_budget(
                 req.traces, req.keys, req.budget, bandwidth=bandwidth,
@@ -102,6 +108,8 @@ class Planner:
         self._lock = threading.Lock()
         self._unfinished: set[Future] = set()
         self._closed = False
+        self._process: PlanProcess | None = None  # started with the first plan
+        self._in_process = False  # the planning process failed: plans are made here
 
     def submit(self, req: PlanRequest) -> Future:
         future: Future = Future()
@@ -134,23 +142,66 @@ class Planner:
                 pass
 
     def close(self) -> None:
-        """At exit: make no more plans (one being made is abandoned with its daemon thread)."""
+        """At exit: make no more plans (one being made is abandoned with its daemon thread),
+        and stop the planning process."""
         with self._lock:
             self._closed = True
             for f in list(self._unfinished):
                 f.cancel()
+        if self._process is not None:
+            self._process.close()
 
     def _run(self) -> None:
         while True:
             future, req = self._queue.get()
             if not future.set_running_or_notify_cancel():
                 continue
-            before = sys.getswitchinterval()
-            sys.setswitchinterval(SWITCH_INTERVAL)
             try:
-                future.set_result(make_plan(req))
-            finally:
-                sys.setswitchinterval(before)
+                future.set_result(self._make(req))
+            except BaseException as e:  # noqa: BLE001  (never leave a step waiting)
+                future.set_exception(e)
+
+    def _make(self, req: PlanRequest) -> PlanResult:
+        """In the planning process if it works, else here (sharing the GIL with the steps:
+        the switch interval is shortened so a step waits less for it)."""
+        from .arena import _PROBED
+        from .plan_process import PlanProcess, PlanProcessError
+
+        if not self._in_process:
+            if self._process is None:
+                self._process = PlanProcess()
+            try:
+                return self._process.plan(_measured(req), _PROBED.copy())
+            except PlanProcessError as e:
+                self._in_process = True
+                if self._closed:  # at exit: the process was stopped under this plan
+                    return PlanResult(req, error=e)
+                warnings.warn(
+                    f"coexec: the planning process failed ({e}); plans are made in this process "
+                    "from now on, and steps run slower while a plan is made",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        try:
+            return make_plan(req)
+        finally:
+            sys.setswitchinterval(before)
+
+
+def _measured(req: PlanRequest) -> PlanRequest:
+    """``req`` with the copy bandwidth measured here, where the step's device is (the
+    planning process never touches a device)."""
+    from executor import measure_bandwidth
+
+    from .budget import step_device
+
+    if req.budget is None or req.bandwidth is not None or not req.traces:
+        return req
+    device = step_device(list(req.traces))
+    offload = device.type == "cuda" if req.offload is None else req.offload
+    return replace(req, bandwidth=measure_bandwidth(device)) if offload else req
 
 
 PLANNER = Planner()

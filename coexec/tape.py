@@ -111,6 +111,7 @@ class Program:
         self.latest: Future | None = None  # the latest plan asked for, until it is used
         self.futures: list[Future] = []  # plans asked for and not yet used or dropped
         self.released = False
+        self.plan_pid: int | None = None  # the process that made the plan in use (None: this)
         self.reasons: list[tuple[int, FallbackReason]] = []  # the latest REASONS, with steps
 
     # -- plans (made in the background: coexec/planning.py) ------------------------------
@@ -181,6 +182,7 @@ class Program:
         used: without a budget the steps run without an arena, under one they cannot run."""
         req = result.request
         self.installed, self.stats.planned_paths = req.number, len(req.traces)
+        self.plan_pid = result.pid
         self.budget_plan, self.budget_error = result.budget_plan, result.budget_error
         self.plan_failure = None
         where = f"the step at {self.where}"

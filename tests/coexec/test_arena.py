@@ -103,7 +103,9 @@ def test_one_arena_serves_both_paths_of_a_branching_program():
         assert row["executed arena"] == program.arena_plan.arena_bytes
 
 
-def test_a_plan_the_simulator_rejects_is_never_executed(monkeypatch):
+def test_a_plan_the_simulator_rejects_is_never_executed(
+    monkeypatch, plans_in_this_process
+):
     import planner.arena as planner_arena
     from planner.address import Placement
 

@@ -38,7 +38,7 @@ def step(s, i):
 
 
 @pytest.fixture
-def held_plans(monkeypatch):
+def held_plans(monkeypatch, plans_in_this_process):
     """Plans are made only once the test lets them: ``gate.set()``."""
     gate = threading.Event()
     make_plan = planning.make_plan
@@ -104,7 +104,9 @@ def test_under_a_budget_a_co_executed_step_waits_for_the_plan_and_keeps_to_it(ca
     assert "waiting for the plan of" in err or "ready after" in err
 
 
-def test_a_plan_that_fails_is_said_and_steps_run_without_it(monkeypatch):
+def test_a_plan_that_fails_is_said_and_steps_run_without_it(
+    monkeypatch, plans_in_this_process
+):
     def broken(*args):
         raise ZeroDivisionError("a planner bug")
 
@@ -116,7 +118,9 @@ def test_a_plan_that_fails_is_said_and_steps_run_without_it(monkeypatch):
     assert tape.stats.coexec_steps >= 2 and tape._program.arena_plan is None
 
 
-def test_under_a_budget_a_plan_that_fails_stops_the_step_before_it_runs(monkeypatch):
+def test_under_a_budget_a_plan_that_fails_stops_the_step_before_it_runs(
+    monkeypatch, plans_in_this_process
+):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a planner bug")
 

@@ -1,0 +1,203 @@
+"""Plans made in a child Python process, so planning does not share the GIL with the step.
+
+A planner thread in the training process (``coexec.planning.Planner``) hands each request
+here. Making a plan is Python-heavy (graphs, intervals, the simulator); in the same process it
+took the GIL from the skeleton and the executor and made the steps around it up to 3x slower
+(docs/coexec.md, *Plans are made in the background*). Here the thread only pickles the
+request and waits on a pipe, which releases the GIL.
+
+The child (``python -m coexec.plan_process``) keeps every path's trace it was sent, so each
+trace crosses the pipe once; a trace the program lets go of is forgotten in the child with the
+next request. The answers of the ``out=`` probes the arena asks about (``coexec.arena``) are
+made on the step's thread and sent along. Ops are pickled by name (``aten::add.Tensor``), so
+the child needs no state of the training process. Anything that goes wrong with the child
+(it cannot start, dies, or a request cannot be pickled) raises :class:`PlanProcessError`; the
+planner then makes its plans in its own thread.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, BinaryIO
+
+import torch
+
+from .planning import PlanRequest, PlanResult, make_plan
+
+
+class PlanProcessError(RuntimeError):
+    """The child process could not make this plan (not the planner failing: a plan that
+    fails comes back as a :class:`PlanResult` with its error)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request as it crosses the pipe: traces by their id, only new ones in full."""
+
+    request: PlanRequest  # with traces=()
+    path_ids: tuple[int, ...]  # per path of the request, its trace's id
+    new_traces: dict[int, Any]  # id -> trace, for traces the child has not seen
+    forget: tuple[int, ...]  # ids of traces the training process let go of
+    probes: dict  # coexec.arena probe answers the child has not seen
+
+
+def _op(qualified: str, overload: str) -> Any:
+    ns, name = qualified.split("::")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload)
+
+
+class _Pickler(pickle.Pickler):
+    """Ops by name: ``torch._ops.OpOverload`` objects do not pickle."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op, (obj._schema.name, obj._overloadname)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _write(stream: BinaryIO, payload: bytes) -> None:
+    stream.write(len(payload).to_bytes(8, "little"))
+    stream.write(payload)
+    stream.flush()
+
+
+def _read(stream: BinaryIO) -> bytes:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("the other end closed the pipe")
+    n = int.from_bytes(head, "little")
+    payload = stream.read(n)
+    if len(payload) < n:
+        raise EOFError("the other end closed the pipe")
+    return payload
+
+
+class PlanProcess:
+    """The training process's side: starts the child on first use, sends jobs, reads plans.
+    Used from one thread at a time (the planner thread)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._ids: dict[int, int] = {}  # id(trace) -> the id the child knows it by
+        self._next_id = 0
+        self._forget: list[int] = []  # appended by finalizers, on any thread
+        self._lock = threading.Lock()
+        self._probes_sent = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def plan(self, req: PlanRequest, probes: dict) -> PlanResult:
+        """``req`` planned in the child; ``probes``: every probe answer made so far (those
+        not yet sent are sent)."""
+        try:
+            proc = self._start()
+            job = self._job(req, probes)
+            _write(proc.stdin, dumps(job))
+            answer = pickle.loads(_read(proc.stdout))
+        except (OSError, EOFError, pickle.PickleError, TypeError, AttributeError) as e:
+            self.close()
+            raise PlanProcessError(f"{type(e).__name__}: {e}") from None
+        if isinstance(answer, str):  # the child could not pickle its result: why
+            raise PlanProcessError(answer)
+        return replace(answer, request=req)
+
+    def close(self) -> None:
+        """Stop the child (it also stops by itself when this process's end of the pipe
+        closes, at exit or if this process dies)."""
+        proc, self._proc = self._proc, None
+        self._ids.clear()
+        self._probes_sent = 0
+        if proc is not None:
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+            proc.kill()
+            proc.wait()
+
+    def _start(self) -> subprocess.Popen:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        if self._proc is not None:
+            self.close()
+        # the child imports the same coexec as this process (a source checkout, a worktree)
+        path = os.pathsep.join(p for p in sys.path if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "coexec.plan_process"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        )  # fmt: skip
+        return self._proc
+
+    def _job(self, req: PlanRequest, probes: dict) -> Job:
+        with self._lock:
+            forget, self._forget = tuple(self._forget), []
+        ids, new = [], {}
+        for trace in req.traces:
+            key = id(trace)
+            if key not in self._ids:
+                self._ids[key] = self._next_id
+                new[self._next_id] = trace
+                weakref.finalize(trace, self._gone, key, self._next_id)
+                self._next_id += 1
+            ids.append(self._ids[key])
+        items = list(probes.items())
+        fresh, self._probes_sent = dict(items[self._probes_sent :]), len(items)
+        return Job(replace(req, traces=()), tuple(ids), new, forget, fresh)
+
+    def _gone(self, key: int, tid: int) -> None:
+        with self._lock:
+            if self._ids.get(key) == tid:
+                del self._ids[key]
+            self._forget.append(tid)
+
+
+def serve(inp: BinaryIO, out: BinaryIO) -> None:
+    """The child's loop: a job in, its plan out, until the training process closes the pipe."""
+    from . import arena
+
+    traces: dict[int, Any] = {}
+    while True:
+        try:
+            job: Job = pickle.loads(_read(inp))
+        except EOFError:
+            return
+        for tid in job.forget:
+            traces.pop(tid, None)
+        traces.update(job.new_traces)
+        arena._PROBED.update(job.probes)
+        req = replace(job.request, traces=tuple(traces[t] for t in job.path_ids))
+        result = replace(make_plan(req), request=None, pid=os.getpid())
+        try:
+            payload = dumps(result)
+        except Exception as e:  # noqa: BLE001  (said to the training process, which plans itself)
+            payload = dumps(f"the plan could not be sent back ({type(e).__name__}: {e})")
+        _write(out, payload)
+
+
+def main() -> None:
+    # fd 1 is the pipe: anything printed (warnings, progress) goes to stderr instead
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    torch.set_num_threads(1)
+    serve(sys.stdin.buffer, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Plans are made in a child process (coexec/plan_process.py): the same plans as made here, each
+trace sent once, forgotten when let go of, and plans made here when the child cannot be had."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coexec
+from coexec import planning
+from coexec.plan_process import PlanProcess, dumps
+from coexec.planning import PlanRequest, Planner, make_plan
+from tests.coexec.helpers import run
+from tests.coexec.test_planning import make, step
+from tracegraph import record
+from tracegraph.schema import DEFAULT, FED, TENSOR_ARG
+
+
+def traced(n: int = 1) -> list:
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(n):
+        with record() as tr:
+            loss = F.mse_loss(model(torch.randn(5, 8)), torch.zeros(5, 4))
+            loss.backward()
+            opt.step()
+            print(loss.item(), end="")
+        out.append(tr)
+    return out
+
+
+def test_a_trace_crosses_the_pipe_with_its_ops_values_and_markers():
+    (tr,) = traced()
+    back = pickle.loads(dumps(tr))
+    assert [op.func for op in back.ops] == [op.func for op in tr.ops]  # the same OpOverloads
+    assert [op.key for op in back.ops] == [op.key for op in tr.ops]
+    assert [v.meta for v in back.values] == [v.meta for v in tr.values]
+    assert back.storage_bytes == tr.storage_bytes and back.released == tr.released
+    assert all(pickle.loads(dumps(m)) is m for m in (DEFAULT, FED, TENSOR_ARG))
+
+
+def test_plans_are_made_in_another_process_and_equal_those_made_here():
+    losses, state, tape = run(make, step, 6, True, key="plan-process")
+    eager_losses, eager_state, _ = run(make, step, 6, False)
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    program = tape._program
+    assert program.plan_pid is not None and program.plan_pid != os.getpid()
+    req = PlanRequest(1, tuple(program.paths), tuple(program.path_keys), None, None, True)
+    here = make_plan(req).arena_plan
+    assert here is not None and program.arena_plan is not None
+    assert program.arena_plan.offsets == here.offsets
+    assert program.arena_plan.arena_bytes == here.arena_bytes
+
+
+def test_each_trace_is_sent_once_and_forgotten_when_let_go_of():
+    t1, t2 = traced(2)
+    proc = PlanProcess()
+    try:
+        first = proc._job(PlanRequest(1, (t1,), ((),), None, None, True), {"a": 1})
+        second = proc._job(PlanRequest(2, (t1, t2), ((), ()), None, None, True), {"a": 1, "b": 2})
+        assert list(first.new_traces.values()) == [t1] and first.probes == {"a": 1}
+        assert list(second.new_traces.values()) == [t2] and second.probes == {"b": 2}
+        assert second.path_ids == (*first.path_ids, *second.new_traces)
+        assert first.request.traces == () and second.request.number == 2
+        gone = first.path_ids[0]
+        del t1, first, second
+        gc.collect()
+        third = proc._job(PlanRequest(3, (t2,), ((),), None, None, True), {"a": 1, "b": 2})
+        assert third.forget == (gone,) and third.new_traces == {} and third.probes == {}
+    finally:
+        proc.close()
+
+
+def test_a_child_that_died_is_replaced_and_sent_every_trace_again():
+    paths = traced(2)
+    keys = tuple(() for _ in paths)
+    proc = PlanProcess()
+    try:
+        a = proc.plan(PlanRequest(1, tuple(paths), keys, None, None, False), {})
+        pid = a.pid
+        proc._proc.kill()
+        proc._proc.wait()
+        b = proc.plan(PlanRequest(2, tuple(paths), keys, None, None, False), {})
+        assert a.error is None and b.error is None and b.pid not in (None, pid)
+        assert b.request.number == 2 and len(b.request.traces) == 2
+    finally:
+        proc.close()
+
+
+def test_without_a_planning_process_plans_are_made_here_and_it_is_said(monkeypatch):
+    def no_processes(self):
+        raise OSError("no processes here")
+
+    coexec.wait_for_plans(60)
+    planner = Planner()
+    monkeypatch.setattr(planning, "PLANNER", planner)
+    monkeypatch.setattr(coexec.tape, "PLANNER", planner)
+    monkeypatch.setattr(PlanProcess, "_start", no_processes)
+    eager_losses, eager_state, _ = run(make, step, 6, False)
+    with pytest.warns(RuntimeWarning, match=r"the planning process failed \(OSError: no processes"):
+        losses, state, tape = run(make, step, 6, True, key="plan-process-none")
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
+    assert tape._program.arena_plan is not None and tape._program.plan_pid is None
+    planner.close()
