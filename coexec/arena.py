@@ -10,6 +10,7 @@ the op's ``out=`` variant, into a view of the arena at the planned offset.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
@@ -72,10 +73,9 @@ def plan_program_arena(traces: Sequence[Trace], keys: Sequence[tuple]) -> ArenaP
     on top of the arena."""
     paths, resident = [], []
     for t, path_keys in zip(traces, keys):
-        g = lagged(PlanningGraph.from_trace(t))
-        ok = placeable_storages(g, t)
-        paths.append((g, {sid: k for sid, k in storage_keys(t, g, path_keys).items() if sid in ok}))
-        resident.append(remat_replay(g, list(range(len(g))), []).segments)
+        g, placeable, segments = _prepared(t, path_keys)
+        paths.append((g, placeable))
+        resident.append(segments)
     if not paths:
         return None
     # the arena is held whole: only what lowers the step's total goes in, an op's outputs
@@ -83,6 +83,22 @@ def plan_program_arena(traces: Sequence[Trace], keys: Sequence[tuple]) -> ArenaP
     chosen = select_placed([(g, keys, r) for (g, keys), r in zip(paths, resident)], unit=lambda k: (k[0], k[2]))
     paths = [(g, {sid: k for sid, k in keys.items() if k in chosen}) for g, keys in paths]
     return plan_arena(paths, stretches=resident)
+
+
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> _prepared's
+
+
+def _prepared(trace: Trace, path_keys: tuple) -> tuple[PlanningGraph, dict, dict]:
+    """A path's planning graph, its placeable storages' keys and their residency, made once
+    per path: a program plans again over every path after each new one (read only after)."""
+    got = _PREPARED.get(trace)
+    if got is None or got[0] != path_keys:
+        g = lagged(PlanningGraph.from_trace(trace))
+        ok = placeable_storages(g, trace)
+        placeable = {sid: k for sid, k in storage_keys(trace, g, path_keys).items() if sid in ok}
+        got = (path_keys, g, placeable, remat_replay(g, list(range(len(g))), []).segments)
+        _PREPARED[trace] = got
+    return got[1:]
 
 
 _PROBED: dict = {}  # (func, attrs, input metas, output metas) -> probe_out_variant's answer

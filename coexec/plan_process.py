@@ -32,6 +32,11 @@ import torch
 from .planning import PlanRequest, PlanResult, make_plan
 
 
+# the child's scheduling priority below the training process (Linux weights: about a tenth of
+# a core's time while both want it; all of it while the training process waits or is idle)
+NICENESS = 10
+
+
 class PlanProcessError(RuntimeError):
     """The child process could not make this plan (not the planner failing: a plan that
     fails comes back as a :class:`PlanResult` with its error)."""
@@ -41,9 +46,9 @@ class PlanProcessError(RuntimeError):
 class Job:
     """One request as it crosses the pipe: traces by their id, only new ones in full."""
 
-    request: PlanRequest  # with traces=()
+    request: PlanRequest  # with traces=() and keys=()
     path_ids: tuple[int, ...]  # per path of the request, its trace's id
-    new_traces: dict[int, Any]  # id -> trace, for traces the child has not seen
+    new_traces: dict[int, tuple[Any, tuple]]  # id -> (trace, its op keys), new to the child
     forget: tuple[int, ...]  # ids of traces the training process let go of
     probes: dict  # coexec.arena probe answers the child has not seen
 
@@ -149,17 +154,17 @@ class PlanProcess:
         with self._lock:
             forget, self._forget = tuple(self._forget), []
         ids, new = [], {}
-        for trace in req.traces:
+        for trace, keys in zip(req.traces, req.keys):
             key = id(trace)
             if key not in self._ids:
                 self._ids[key] = self._next_id
-                new[self._next_id] = trace
+                new[self._next_id] = (trace, keys)
                 weakref.finalize(trace, self._gone, key, self._next_id)
                 self._next_id += 1
             ids.append(self._ids[key])
         items = list(probes.items())
         fresh, self._probes_sent = dict(items[self._probes_sent :]), len(items)
-        return Job(replace(req, traces=()), tuple(ids), new, forget, fresh)
+        return Job(replace(req, traces=(), keys=()), tuple(ids), new, forget, fresh)
 
     def _gone(self, key: int, tid: int) -> None:
         with self._lock:
@@ -172,17 +177,18 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
     """The child's loop: a job in, its plan out, until the training process closes the pipe."""
     from . import arena
 
-    traces: dict[int, Any] = {}
+    paths: dict[int, tuple[Any, tuple]] = {}  # id -> (trace, op keys)
     while True:
         try:
             job: Job = pickle.loads(_read(inp))
         except EOFError:
             return
         for tid in job.forget:
-            traces.pop(tid, None)
-        traces.update(job.new_traces)
+            paths.pop(tid, None)
+        paths.update(job.new_traces)
         arena._PROBED.update(job.probes)
-        req = replace(job.request, traces=tuple(traces[t] for t in job.path_ids))
+        traces, keys = zip(*(paths[t] for t in job.path_ids)) if job.path_ids else ((), ())
+        req = replace(job.request, traces=tuple(traces), keys=tuple(keys))
         result = replace(make_plan(req), request=None, pid=os.getpid())
         try:
             payload = dumps(result)
@@ -196,6 +202,8 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     torch.set_num_threads(1)
+    if hasattr(os, "nice"):  # background work: the training process comes first for the CPU
+        os.nice(NICENESS)
     serve(sys.stdin.buffer, out)
 
 

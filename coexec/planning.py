@@ -91,9 +91,9 @@ def make_plan(req: PlanRequest) -> PlanResult:
             # kept as its arguments: the exception's traceback would keep frames alive
             error = (e.budget, e.smallest, e.detail)
             return PlanResult(req, budget_error=error, seconds=time.perf_counter() - t0)
-        return PlanResult(
-            req, arena_plan=budget_plan.arena, budget_plan=budget_plan, seconds=time.perf_counter() - t0
-        )
+        seconds = time.perf_counter() - t0
+        arena = budget_plan.arena
+        return PlanResult(req, arena_plan=arena, budget_plan=budget_plan, seconds=seconds)
     except Exception as e:  # noqa: BLE001  (handed to the step's thread, which says so)
         return PlanResult(req, error=e, seconds=time.perf_counter() - t0)
 
@@ -120,7 +120,9 @@ class Planner:
             self._unfinished.add(future)
             future.add_done_callback(self._unfinished.discard)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="coexec-planner", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="coexec-planner", daemon=True
+                )
                 self._thread.start()
         self._queue.put((future, req))
         return future

@@ -64,10 +64,10 @@ def test_each_trace_is_sent_once_and_forgotten_when_let_go_of():
     try:
         first = proc._job(PlanRequest(1, (t1,), ((),), None, None, True), {"a": 1})
         second = proc._job(PlanRequest(2, (t1, t2), ((), ()), None, None, True), {"a": 1, "b": 2})
-        assert list(first.new_traces.values()) == [t1] and first.probes == {"a": 1}
-        assert list(second.new_traces.values()) == [t2] and second.probes == {"b": 2}
+        assert list(first.new_traces.values()) == [(t1, ())] and first.probes == {"a": 1}
+        assert list(second.new_traces.values()) == [(t2, ())] and second.probes == {"b": 2}
         assert second.path_ids == (*first.path_ids, *second.new_traces)
-        assert first.request.traces == () and second.request.number == 2
+        assert first.request.traces == first.request.keys == () and second.request.number == 2
         gone = first.path_ids[0]
         del t1, first, second
         gc.collect()
@@ -108,3 +108,21 @@ def test_without_a_planning_process_plans_are_made_here_and_it_is_said(monkeypat
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
     assert tape._program.arena_plan is not None and tape._program.plan_pid is None
     planner.close()
+
+
+def test_each_path_is_prepared_once_however_often_it_is_planned(monkeypatch):
+    _losses, _state, tape = run(make, step, 6, True, key="plan-process-prepared")
+    paths, keys = tuple(tape._program.paths), tuple(tape._program.path_keys)
+    assert len(paths) >= 2
+    built = []
+    from_trace = coexec.arena.PlanningGraph.from_trace
+    monkeypatch.setattr(coexec.arena, "_PREPARED", type(coexec.arena._PREPARED)())
+    monkeypatch.setattr(
+        coexec.arena.PlanningGraph, "from_trace", lambda t: built.append(t) or from_trace(t)
+    )
+    first = make_plan(PlanRequest(1, paths[:1], keys[:1], None, None, True))
+    again = make_plan(PlanRequest(2, paths, keys, None, None, True))
+    assert [id(t) for t in built] == [id(t) for t in paths]  # each path's graph built once
+    monkeypatch.setattr(coexec.arena, "_PREPARED", type(coexec.arena._PREPARED)())
+    anew = make_plan(PlanRequest(3, paths, keys, None, None, True))  # every path built again
+    assert first.arena_plan is not None and again.arena_plan.offsets == anew.arena_plan.offsets

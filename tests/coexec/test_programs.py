@@ -141,6 +141,7 @@ def test_the_least_recently_used_program_is_dropped_with_its_arena():
             for x, y in data[:4]:
                 with tape:
                     step(model, opt, x, y)
+                coexec.wait_for_plans(60)  # the arena is planned in the background
             assert tape.stats.coexec_steps == 1
             tapes.append(tape)
             if w == 3:
@@ -238,6 +239,7 @@ def test_a_program_whose_model_died_is_dropped():
         for x, y in data[:4]:
             with tape:  # one ``with`` line for both models
                 step(model, opt, x, y)
+            coexec.wait_for_plans(60)  # the arena is planned in the background
         return tape
 
     model, opt, data = make(6, seed=6)
