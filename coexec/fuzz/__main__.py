@@ -47,7 +47,8 @@ def line(n: int, total: int, r: FuzzResult) -> str:
 
 def table(done: list[FuzzResult], wall: float) -> str:
     """The final summary, then every failing seed with its step and error."""
-    count = {k: sum(r.outcome == k for r in done) for k in ("diverged", "coexec_crash", "both_crash")}
+    kinds = ("diverged", "coexec_crash", "both_crash")
+    count = {k: sum(r.outcome == k for r in done) for k in kinds}
     rows = [
         ("programs", len(done)),
         ("steps", sum(r.steps for r in done)),

@@ -146,12 +146,16 @@ def run_once(spec: Spec, steps: int, use_coexec: bool, tamper: Tamper | None = N
     return RunResult(tuple(records), error, seconds, tape.stats if tape is not None else None)
 
 
+def _loss_value(bits: str) -> float:
+    return struct.unpack(">d", bytes.fromhex(bits))[0]
+
+
 def _field_diff(a: StepRecord, b: StepRecord) -> str:
     for name in ("loss", "text", "saved", "state"):
         x, y = getattr(a, name), getattr(b, name)
         if x != y:
             if name == "loss":
-                x, y = struct.unpack(">d", bytes.fromhex(x))[0], struct.unpack(">d", bytes.fromhex(y))[0]
+                x, y = _loss_value(x), _loss_value(y)
             return f"{name}: eager {x!r} coexec {y!r}"
     return ""
 

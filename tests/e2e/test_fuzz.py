@@ -101,3 +101,16 @@ def test_cli_prints_the_table_and_exits_zero(capsys):
     assert main(["--programs", "2", "--steps", "3", "--seed", "20"]) == 0
     out = capsys.readouterr().out
     assert "[2/2] seed 21:" in out and "divergences              0" in out
+
+
+def test_cli_exits_non_zero_and_lists_a_failing_seed(monkeypatch, capsys):
+    import coexec.fuzz.__main__ as cli
+
+    def planted(seed, steps, features=None):
+        return run_program(seed, steps, features, tamper=_lr_times_2_at_step_5)
+
+    monkeypatch.setattr(cli, "run_program", planted)
+    assert main(["--programs", "1", "--steps", "7", "--seed", "1", "--features", "linear", "sgd"]) == 1
+    out = capsys.readouterr().out
+    assert "divergences              1" in out
+    assert "\n1      diverged      5     state:" in out, out
