@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -203,6 +204,8 @@ class State:
     spec: Spec
     net: Net
     opt: torch.optim.Optimizer
+    carry: torch.Tensor | None = None  # ``carry``: a detached activation kept from the last step
+    losses: list[torch.Tensor] = field(default_factory=list)  # ``kept_losses``
 
 
 def build(spec: Spec) -> State:
@@ -222,19 +225,38 @@ def batch(spec: Spec, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def step(state: State, i: int, env: Env) -> torch.Tensor:
     """One training step of the program; returns the loss."""
-    spec, net, opt = state.spec, state.net, state.opt
+    spec, net, opt, extra = state.spec, state.net, state.opt, state.spec.extra
     x, y = batch(spec, i)
     opt.zero_grad(set_to_none=spec.set_to_none)
-    out = net(x, env)
-    loss = F.cross_entropy(out, y) if spec.loss == "ce" else F.mse_loss(out, y)
-    if spec.loss_branch is not None and loss.item() > spec.loss_branch:
-        loss = loss + 0.1 * out.pow(2).mean()
+    if "carry" in extra and state.carry is not None:
+        x = x + 0.5 * state.carry  # a tensor the previous step computed
+    if "grad_penalty" in extra:
+        x = x.detach().requires_grad_()
+    loss, out = _loss(state, x, y, env)
+    if "grad_penalty" in extra:  # double backward (WGAN-GP style)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = loss + 0.1 * (gx.norm(2, dim=1) - 1).pow(2).mean()
+    if "grad_hook" in extra:
+        out.register_hook(lambda g: _hook(g, env))
+    if "fetches" in extra:
+        vals = out.detach().numpy().round(4).tolist()
+        print("fetch", vals[0], float(np.asarray(out.detach()).sum()), file=env.text)
+    if "retain_graph" in extra:  # the same graph backward twice
+        (loss * 0.25).backward(retain_graph=True)
+        (loss * 0.75).backward()
+    elif "accumulate" in extra:  # two backward passes into the same gradients
+        (loss * 0.5).backward()
+        loss2, _ = _loss(state, x.flip(0), y.flip(0), env)
+        (loss2 * 0.5).backward()
+    if "carry" in extra:
+        state.carry = out.detach().mean(0).repeat(spec.width // N_OUT + 1)[: spec.width]
     if spec.checkpoint_every and i % spec.checkpoint_every == 0:
         buf = io.BytesIO()
         torch.save(net.state_dict(), buf)  # mid-step: after the forward, before backward
         buf.seek(0)
         env.saved = tuple(torch.load(buf).values())
-    loss.backward()
+    if "accumulate" not in extra and "retain_graph" not in extra:
+        loss.backward()
     if spec.clip is not None:
         nn.utils.clip_grad_norm_(net.parameters(), spec.clip)
     if spec.lr_mode == "lr_schedule":
@@ -244,4 +266,32 @@ def step(state: State, i: int, env: Env) -> torch.Tensor:
         for g in opt.param_groups:
             g["lr"] = spec.lr * (0.5 if loss.item() > 1.0 else 1.0)
     opt.step()
+    if "param_clamp" in extra:
+        with torch.no_grad():
+            for p in net.parameters():
+                p.clamp_(-0.3, 0.3)
+    if "no_grad_eval" in extra:
+        net.eval()
+        with torch.no_grad():
+            print("eval", net(x, env).sum(), file=env.text)
+        net.train()
+    if "kept_losses" in extra:
+        state.losses = [*state.losses[-3:], loss]  # placeholders of earlier steps, kept
+        print("mean", torch.stack([l.detach() for l in state.losses]).mean(), file=env.text)
     return loss
+
+
+def _hook(g: torch.Tensor, env: Env) -> torch.Tensor:
+    print("grad", g.norm(), file=env.text)  # printed inside the backward
+    return g * 0.5
+
+
+def _loss(state: State, x: torch.Tensor, y: torch.Tensor, env: Env) -> tuple[torch.Tensor, ...]:
+    spec = state.spec
+    out = state.net(x, env)
+    if "mask" in spec.extra:
+        out = out.masked_fill(out.detach() > 0.5, 0.0) + torch.where(out < -0.5, out, 0.1 * out)
+    loss = F.cross_entropy(out, y) if spec.loss == "ce" else F.mse_loss(out, y)
+    if spec.loss_branch is not None and loss.item() > spec.loss_branch:
+        loss = loss + 0.1 * out.pow(2).mean()
+    return loss, out

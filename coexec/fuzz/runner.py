@@ -117,7 +117,11 @@ def run_once(spec: Spec, steps: int, use_coexec: bool, tamper: Tamper | None = N
     state = build(spec)
     tape = None
     if use_coexec:
-        tape = coexec.GradientTape(key=("fuzz", spec.seed, next(_runs)), timeout=60.0)
+        tape = coexec.GradientTape(
+            key=("fuzz", spec.seed, next(_runs)), timeout=60.0,
+            max_traces=2 if "max_traces_2" in spec.extra else 10,
+            arena=False if "no_arena" in spec.extra else None,
+        )  # fmt: skip
     records: list[StepRecord] = []
     error = None
     start = time.perf_counter()

@@ -24,7 +24,12 @@ STEP = (
     "loss_branch", "checkpoint", "lr_schedule", "lr_from_loss", "clip", "keep_grads",
     "batch_sizes",
 )  # fmt: skip
-FEATURES = MODULES + CODE + OPTIMIZERS + STEP
+# Drawn after everything else (so adding them kept the earlier draws, and programs, of a seed).
+EXTRA = (
+    "carry", "accumulate", "no_grad_eval", "param_clamp", "mask", "kept_losses",
+    "grad_penalty", "retain_graph", "grad_hook", "fetches", "max_traces_2", "no_arena",
+)  # fmt: skip
+FEATURES = MODULES + CODE + OPTIMIZERS + STEP + EXTRA
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Spec:
     set_to_none: bool
     loss_branch: float | None  # threshold of ``if loss.item() > t``
     checkpoint_every: int | None
+    extra: frozenset[str] = frozenset()  # names of EXTRA the step uses
 
     def features(self) -> frozenset[str]:
         """The features this program uses (names of FEATURES)."""
@@ -67,7 +73,7 @@ class Spec:
             "keep_grads": not self.set_to_none,
             "batch_sizes": len(self.batch_sizes) > 1,
         }
-        return frozenset(out | {name for name, on in flags.items() if on})
+        return frozenset(out | self.extra | {name for name, on in flags.items() if on})
 
     def summary(self) -> str:
         """One line: blocks in order, then the step's choices."""
@@ -113,17 +119,20 @@ def generate(seed: int, features: Iterable[str] | None = None) -> Spec:
     set_to_none = rng.random() < 0.5
     loss_branch = rng.choice((None, 0.3, 0.8, 1.2))
     checkpoint_every = rng.choice((None, None, 2, 3, 5))
+    loss, lr = rng.choice(("mse", "ce")), rng.choice((0.001, 0.01, 0.03))
+    extra = frozenset(f for f in EXTRA if rng.random() < 0.2 and f in allowed)
     return Spec(
         seed=seed,
         width=width,
         batch_sizes=sizes,
         blocks=blocks,
-        loss=rng.choice(("mse", "ce")),
+        loss=loss,
         optimizer=optimizer,
-        lr=rng.choice((0.001, 0.01, 0.03)),
+        lr=lr,
         lr_mode=lr_mode if lr_mode in allowed else "const",
         clip=clip if "clip" in allowed else None,
         set_to_none=set_to_none or "keep_grads" not in allowed,
         loss_branch=loss_branch if "loss_branch" in allowed else None,
         checkpoint_every=checkpoint_every if "checkpoint" in allowed else None,
+        extra=extra,
     )
