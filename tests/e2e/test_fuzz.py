@@ -114,3 +114,27 @@ def test_cli_exits_non_zero_and_lists_a_failing_seed(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "divergences              1" in out
     assert "\n1      diverged      5     state:" in out, out
+
+
+@pytest.mark.xfail(strict=True, reason="known bug in tracegraph/graph.py merge, found by the fuzzer")
+def test_merging_a_trace_keeps_earlier_traces_covered_with_a_double_backward():
+    """Seed 2003 with only its branches and a gradient penalty (``autograd.grad(...,
+    create_graph=True)``): branch patterns (0,1), (0,1), (1,1), (0,0). Merging the 4th trace
+    leaves the first two uncovered, so coexec's arena planning walks a path the graph lacks and
+    ``NotCovered`` escapes the step (``python -m coexec.fuzz --programs 1 --seed 2003 --features
+    branch grad_penalty``)."""
+    import torch
+
+    from tracegraph import TraceGraph, record
+
+    from coexec.fuzz.interp import Env, build, step
+
+    spec = generate(2003, features=("branch", "grad_penalty"))
+    torch.manual_seed(spec.seed)
+    state, graph, traces = build(spec), TraceGraph(), []
+    for i in range(4):
+        with record() as trace:
+            step(state, i, Env())
+        graph.merge(trace)
+        traces.append(trace)
+        assert all(graph.covers(t) for t in traces), f"after merging step {i}"
