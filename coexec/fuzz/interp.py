@@ -12,6 +12,7 @@ import io
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ class Env:
 
     text: io.StringIO = field(default_factory=io.StringIO)
     saved: tuple[torch.Tensor, ...] = ()
+    tape: Any = None  # the coexec run's tape (``tape_gradient`` calls its ``gradient``)
 
 
 Fn = Callable[[torch.Tensor, Env], torch.Tensor]
@@ -255,7 +257,11 @@ def step(state: State, i: int, env: Env) -> torch.Tensor:
         torch.save(net.state_dict(), buf)  # mid-step: after the forward, before backward
         buf.seek(0)
         env.saved = tuple(torch.load(buf).values())
-    if "accumulate" not in extra and "retain_graph" not in extra:
+    if "accumulate" in extra or "retain_graph" in extra:
+        pass
+    elif "tape_gradient" in extra and env.tape is not None:
+        env.tape.gradient(loss, net.parameters())  # into .grad, as backward() (eager's run)
+    else:
         loss.backward()
     if spec.clip is not None:
         nn.utils.clip_grad_norm_(net.parameters(), spec.clip)

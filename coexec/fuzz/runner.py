@@ -121,6 +121,7 @@ def run_once(spec: Spec, steps: int, use_coexec: bool, tamper: Tamper | None = N
             key=("fuzz", spec.seed, next(_runs)), timeout=60.0,
             max_traces=2 if "max_traces_2" in spec.extra else 10,
             arena=False if "no_arena" in spec.extra else None,
+            sync="none" if "sync_none" in spec.extra else "step",
         )  # fmt: skip
     records: list[StepRecord] = []
     error = None
@@ -133,8 +134,11 @@ def run_once(spec: Spec, steps: int, use_coexec: bool, tamper: Tamper | None = N
             else:
                 if tamper is not None:
                     tamper(state, i)
+                env.tape = tape
                 with tape:
                     loss = step(state, i, env)
+                if tape.sync == "none":
+                    coexec.synchronize()  # the run-ahead executor: before reading state
             rec = StepRecord(
                 _loss_bits(loss), env.text.getvalue(), _digest(env.saved),
                 _digest(state_tensors(state)),

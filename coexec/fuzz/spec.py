@@ -28,6 +28,7 @@ STEP = (
 EXTRA = (
     "carry", "accumulate", "no_grad_eval", "param_clamp", "mask", "kept_losses",
     "grad_penalty", "retain_graph", "grad_hook", "fetches", "max_traces_2", "no_arena",
+    "tape_gradient", "sync_none",
 )  # fmt: skip
 FEATURES = MODULES + CODE + OPTIMIZERS + STEP + EXTRA
 
