@@ -13,6 +13,8 @@ from coexec.fuzz.interp import State
 
 SEEDS = range(10)
 STEPS = 8
+# features left out of the longer run while a bug they meet is open (see the xfail test below)
+KNOWN_BUGS = {"grad_penalty"}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -24,7 +26,7 @@ def test_generated_program_is_bit_equal_to_eager(seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(100, 200))
 def test_generated_program_is_bit_equal_to_eager_longer(seed):
-    r = run_program(seed, 30)
+    r = run_program(seed, 30, features=set(FEATURES) - KNOWN_BUGS)
     assert not r.failed, r
 
 
@@ -110,13 +112,14 @@ def test_cli_exits_non_zero_and_lists_a_failing_seed(monkeypatch, capsys):
         return run_program(seed, steps, features, tamper=_lr_times_2_at_step_5)
 
     monkeypatch.setattr(cli, "run_program", planted)
-    assert main(["--programs", "1", "--steps", "7", "--seed", "1", "--features", "linear", "sgd"]) == 1
+    args = ["--programs", "1", "--steps", "7", "--seed", "1", "--features", "linear", "sgd"]
+    assert main(args) == 1
     out = capsys.readouterr().out
     assert "divergences              1" in out
     assert "\n1      diverged      5     state:" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="known bug in tracegraph/graph.py merge, found by the fuzzer")
+@pytest.mark.xfail(strict=True, reason="a bug in tracegraph/graph.py's merge, found by the fuzzer")
 def test_merging_a_trace_keeps_earlier_traces_covered_with_a_double_backward():
     """Seed 2003 with only its branches and a gradient penalty (``autograd.grad(...,
     create_graph=True)``): branch patterns (0,1), (0,1), (1,1), (0,0). Merging the 4th trace
