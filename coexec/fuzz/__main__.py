@@ -13,24 +13,26 @@ import time
 from collections.abc import Iterator, Sequence
 from functools import partial
 
-from .runner import FuzzResult, run_program
+from .runner import FuzzResult, run_program, run_quiet
 from .spec import FEATURES
 
 
-def _run(seed: int, steps: int, features: tuple[str, ...] | None) -> FuzzResult:
+def run_program_quiet(seed: int, steps: int, features: tuple[str, ...] | None) -> FuzzResult:
+    """In this process (looked up here, so tests can replace ``run_program``)."""
     import warnings
 
-    warnings.simplefilter("ignore")  # programs trip torch's warnings (e.g. max_traces reached)
-    return run_program(seed, steps, features)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # programs trip torch's warnings (max_traces reached)
+        return run_program(seed, steps, features)
 
 
 def results(
     seeds: Sequence[int], steps: int, features: tuple[str, ...] | None, jobs: int
 ) -> Iterator[FuzzResult]:
     """Each seed's result, in seed order (in ``jobs`` spawned processes when ``jobs > 1``)."""
-    work = partial(_run, steps=steps, features=features)
+    work = partial(run_quiet, steps=steps, features=features)
     if jobs <= 1:
-        yield from map(work, seeds)
+        yield from (run_program_quiet(s, steps, features) for s in seeds)
         return
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         yield from pool.imap(work, seeds)

@@ -215,3 +215,12 @@ def run_program(
 ) -> FuzzResult:
     """Generate the program of ``seed`` (restricted to ``features``) and compare it."""
     return run_spec(generate(seed, features), steps, tamper)
+
+
+def run_quiet(seed: int, steps: int, features: Iterable[str] | None = None) -> FuzzResult:
+    """:func:`run_program` with warnings silenced (a worker process's entry point)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_program(seed, steps, features)
