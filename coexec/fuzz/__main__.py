@@ -10,6 +10,7 @@ import argparse
 import multiprocessing
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
 
@@ -17,23 +18,17 @@ from .runner import FuzzResult, run_program, run_quiet
 from .spec import FEATURES
 
 
-def run_program_quiet(seed: int, steps: int, features: tuple[str, ...] | None) -> FuzzResult:
-    """In this process (looked up here, so tests can replace ``run_program``)."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # programs trip torch's warnings (max_traces reached)
-        return run_program(seed, steps, features)
-
-
 def results(
     seeds: Sequence[int], steps: int, features: tuple[str, ...] | None, jobs: int
 ) -> Iterator[FuzzResult]:
-    """Each seed's result, in seed order (in ``jobs`` spawned processes when ``jobs > 1``)."""
-    work = partial(run_quiet, steps=steps, features=features)
+    """Each seed's result, in seed order (in ``jobs`` spawned processes when ``jobs > 1``).
+    Warnings are silenced: programs trip torch's (max_traces reached, scalar conversions)."""
     if jobs <= 1:
-        yield from (run_program_quiet(s, steps, features) for s in seeds)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield from (run_program(s, steps, features) for s in seeds)
         return
+    work = partial(run_quiet, steps=steps, features=features)
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         yield from pool.imap(work, seeds)
 
