@@ -13,8 +13,8 @@ from coexec.fuzz.interp import State
 
 SEEDS = range(10)
 STEPS = 8
-# features left out of the longer run while a bug they meet is open (see the xfail test below)
-KNOWN_BUGS = {"grad_penalty"}
+# features left out of the longer run while a bug they meet is open
+KNOWN_BUGS: set[str] = set()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -119,13 +119,13 @@ def test_cli_exits_non_zero_and_lists_a_failing_seed(monkeypatch, capsys):
     assert "\n1      diverged      5     state:" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="a bug in tracegraph/graph.py's merge, found by the fuzzer")
 def test_merging_a_trace_keeps_earlier_traces_covered_with_a_double_backward():
     """Seed 2003 with only its branches and a gradient penalty (``autograd.grad(...,
-    create_graph=True)``): branch patterns (0,1), (0,1), (1,1), (0,0). Merging the 4th trace
-    leaves the first two uncovered, so coexec's arena planning walks a path the graph lacks and
-    ``NotCovered`` escapes the step (``python -m coexec.fuzz --programs 1 --seed 2003 --features
-    branch grad_penalty``)."""
+    create_graph=True)``): branch patterns (0,1), (0,1), (1,1), (0,0). The ops of the double
+    backward used to mirror whichever forward op followed the first backward (the recorder only
+    claimed autograd nodes for forward ops), so two ``tanh`` double backwards in a row had equal
+    keys; merging the 4th trace left the first two uncovered and ``NotCovered`` escaped coexec's
+    step from the arena's planning."""
     import torch
 
     from tracegraph import TraceGraph, record
@@ -141,3 +141,5 @@ def test_merging_a_trace_keeps_earlier_traces_covered_with_a_double_backward():
         graph.merge(trace)
         traces.append(trace)
         assert all(graph.covers(t) for t in traces), f"after merging step {i}"
+    r = run_program(2003, 10, features=("branch", "grad_penalty"))
+    assert not r.failed and r.coexec_steps > 0, r
