@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
 
-from .runner import FuzzResult, run_program, run_quiet
+from .runner import FuzzResult, run_program, run_quiet, shrink
 from .spec import FEATURES
 
 
@@ -79,6 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--features", nargs="+", choices=FEATURES, metavar="F",
         help=f"use only these features (to shrink a failure): {' '.join(FEATURES)}",
     )  # fmt: skip
+    ap.add_argument(
+        "--shrink", action="store_true",
+        help="for each failure, find a smallest --features set that still fails",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     seeds = range(args.seed, args.seed + args.programs)
     features = tuple(args.features) if args.features else None
@@ -89,6 +93,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line(len(done), len(seeds), r), flush=True)
     print()
     print(table(done, time.perf_counter() - start))
+    if args.shrink:
+        for r in (r for r in done if r.failed):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                feats, small = shrink(r.seed, args.steps, features)
+            print(
+                f"\nseed {r.seed} shrunk: {small.outcome} at step {small.diverged_at}: "
+                f"{small.detail}\n  python -m coexec.fuzz --programs 1 --seed {r.seed} "
+                f"--steps {args.steps} --features {' '.join(sorted(feats))}"
+            )
     return 1 if any(r.failed for r in done) else 0
 
 

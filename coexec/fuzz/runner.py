@@ -224,3 +224,23 @@ def run_quiet(seed: int, steps: int, features: Iterable[str] | None = None) -> F
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return run_program(seed, steps, features)
+
+
+def shrink(
+    seed: int, steps: int, features: Iterable[str] | None = None, tamper: Tamper | None = None
+) -> tuple[frozenset[str], FuzzResult]:
+    """The smallest feature set (greedily, one feature dropped at a time) with which the
+    program of ``seed`` still fails the same way (same outcome); and its result. Returns the
+    program's own features and result if it does not fail."""
+    feats = generate(seed, features).features()
+    best = run_program(seed, steps, feats, tamper)
+    if not best.failed:
+        return feats, best
+    dropped = True
+    while dropped:
+        dropped = False
+        for f in sorted(feats):
+            r = run_program(seed, steps, feats - {f}, tamper)
+            if r.outcome == best.outcome:
+                feats, best, dropped = feats - {f}, r, True
+    return generate(seed, feats).features(), best  # what the program has (an optimizer)

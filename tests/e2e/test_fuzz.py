@@ -143,3 +143,18 @@ def test_merging_a_trace_keeps_earlier_traces_covered_with_a_double_backward():
         assert all(graph.covers(t) for t in traces), f"after merging step {i}"
     r = run_program(2003, 10, features=("branch", "grad_penalty"))
     assert not r.failed and r.coexec_steps > 0, r
+
+
+def test_shrink_keeps_only_the_features_a_failure_needs():
+    """A planted crash that needs no feature: every feature is dropped, and the failure is the
+    same (the features returned are the small program's: its optimizer, SGD when none is
+    allowed)."""
+    from coexec.fuzz.runner import shrink
+
+    def tamper(state: State, i: int) -> None:
+        if i == 1:
+            state.net.fns.append(lambda h, env: h[:, 99])
+
+    feats, r = shrink(0, 3, tamper=tamper)
+    assert r.outcome == "coexec_crash" and r.diverged_at == 1, r
+    assert feats == {"sgd"} and generate(0).features() > {"print", "views"}, feats
