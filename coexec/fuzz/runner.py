@@ -42,6 +42,9 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class RunResult:
+    """One run (eager or coexec): a record per completed step, the exception that ended it,
+    its time and the tape's statistics (coexec only)."""
+
     records: tuple[StepRecord, ...]
     error: tuple[int, str, str] | None  # (step, exception type, message)
     seconds: float
