@@ -35,6 +35,8 @@ _SKIP = 0  # code id of frames that are plumbing (ours, torch's mode dispatch), 
 _here = os.path.dirname(os.path.abspath(__file__))
 _root = os.path.dirname(_here)
 _SKIP_PREFIXES = tuple(os.path.join(_root, pkg) + os.sep for pkg in ("tracegraph", "coexec"))
+# the fuzzer's generated programs are user code, though they live in the coexec package
+_USER_PREFIXES = (os.path.join(_root, "coexec", "fuzz") + os.sep,)
 
 
 def _torch_plumbing_files() -> frozenset[str]:
@@ -79,7 +81,8 @@ class CodeTable:
         if self._plumbing is None:
             self._plumbing = _torch_plumbing_files()
         fname = os.path.abspath(code.co_filename)
-        if fname.startswith(_SKIP_PREFIXES) or fname in self._plumbing:
+        ours = fname.startswith(_SKIP_PREFIXES) and not fname.startswith(_USER_PREFIXES)
+        if ours or fname in self._plumbing:
             cid = _SKIP
         else:
             cid = len(self._codes)

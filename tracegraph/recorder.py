@@ -117,6 +117,7 @@ class Recorder:
         self.node_key: Any = None
         self.bsub = 0
         self._modes: tuple | None = None
+        self.thread = threading.get_ident()  # the recording thread (set again by start)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, base: types.FrameType) -> None:
@@ -124,6 +125,7 @@ class Recorder:
         if getattr(_active, "recorder", None) is not None:
             raise RecordError("a recording is already active in this thread; recordings do not nest")
         self.base = base
+        self.thread = threading.get_ident()
         self.base_lasti = base.f_lasti  # where the step's frame entered it
         self.trace.outside_loops = loops_around(base)
         fmode, dmode = _FunctionMode(self), _DispatchMode(self)
@@ -269,6 +271,15 @@ class Recorder:
             return site + self._mirror(op_index) + ((ACC, pos), (BSUB, bsub)), None
         return site + ((UNKNOWN, 0), (BSUB, bsub)), None
 
+    def _claim_nodes(self, index: int) -> None:
+        """The autograd nodes made since the last op (this thread's sequence numbers) belong
+        to op ``index``."""
+        seq = _get_sequence_nr()
+        if seq != self.last_seq:
+            for s in range(self.last_seq, seq):
+                self.seq_op[s] = index
+            self.last_seq = seq
+
     # -- ops ------------------------------------------------------------------------------
     def on_op(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         sch = schema_of(func)
@@ -278,13 +289,13 @@ class Recorder:
         backward_of = None
         if node is None:
             loc = self._forward_location()
-            seq = _get_sequence_nr()
-            if seq != self.last_seq:  # this op created autograd nodes: remember where
-                for s in range(self.last_seq, seq):
-                    self.seq_op[s] = index
-                self.last_seq = seq
+            self._claim_nodes(index)
         else:
             loc, backward_of = self._backward_location(node)
+            if torch.is_grad_enabled() and threading.get_ident() == self.thread:
+                # a backward with create_graph: the nodes this op made belong to it, so the ops
+                # of a double backward mirror it (and not whichever forward op came next)
+                self._claim_nodes(index)
 
         inputs = tuple(self.value_of(t) for t in tensors)
         metas = tuple(TensorMeta.of(t) for t in tensors)
