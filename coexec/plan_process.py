@@ -17,6 +17,7 @@ planner then makes its plans in its own thread.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import os
 import pickle
@@ -58,13 +59,15 @@ def _op(qualified: str, overload: str) -> Any:
     return getattr(getattr(getattr(torch.ops, ns), name), overload)
 
 
-class _Pickler(pickle.Pickler):
-    """Ops by name: ``torch._ops.OpOverload`` objects do not pickle."""
+def _reduce_op(op: Any) -> tuple:
+    return _op, (op._schema.name, op._overloadname)
 
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch._ops.OpOverload):
-            return _op, (obj._schema.name, obj._overloadname)
-        return NotImplemented
+
+class _Pickler(pickle.Pickler):
+    """Ops by name: ``torch._ops.OpOverload`` objects do not pickle. (A table by type, not
+    ``reducer_override``, which calls Python for every object: twice as slow.)"""
+
+    dispatch_table = {**copyreg.dispatch_table, torch._ops.OpOverload: _reduce_op}
 
 
 def dumps(obj: Any) -> bytes:

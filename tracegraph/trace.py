@@ -37,6 +37,10 @@ class OpKey:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # the hash is made again where the key is loaded (an op's hash is its address there)
+        return OpKey, (self.func, self.attrs, self.metas, self.loc)
+
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
