@@ -1,6 +1,6 @@
 """Does planning stall a step? (issue 14: "Planning must never stall a step")
 
-    python bench/planning_stall.py [--episodes 60] [--lbfgs-steps 12] [--debug]
+    python bench/planning_stall.py [--episodes 60] [--lbfgs-steps 12] [--debug] [--thread]
 
 Two programs that used to stall for seconds while the arena was re-planned after each new
 trace, on the step's critical path:
@@ -16,7 +16,9 @@ co-execution cost alone), and under ``coexec.GradientTape()`` (same seed, same p
 script prints per program: the median eager step, the slowest co-executed or fallback step,
 their ratio, how many steps took over 3x the median eager step, and the time steps spent
 planning on their critical path or waiting for a plan (``tape.stats.plan_wait_seconds``).
-With ``--debug`` the tape logs plans starting and arriving in the background.
+With ``--debug`` the tape logs plans starting and arriving in the background; with ``--thread``
+a fourth run makes the plans on the planner thread, as when the planning process cannot start
+(coexec/plan_process.py), sharing the GIL with the steps.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
+from coexec.planning import PLANNER  # noqa: E402
 from common import markdown_table  # noqa: E402
+
+
+THREAD = "plans on the planner thread"
 
 
 class Policy(nn.Module):
@@ -117,16 +123,25 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=60)
     ap.add_argument("--lbfgs-steps", type=int, default=12)
     ap.add_argument("--debug", action="store_true", help="the tape logs plans to stderr")
+    ap.add_argument(
+        "--thread", action="store_true",
+        help="also run with plans made on the planner thread (as when the planning process "
+        "cannot start: sharing the GIL with the steps)",
+    )  # fmt: skip
     args = ap.parse_args()
     rows = []
-    modes = (("eager", None), ("coexec, no plans", {"arena": False}), ("coexec", {}))
+    modes = [("eager", None), ("coexec, no plans", {"arena": False}), ("coexec", {})]
+    if args.thread:
+        modes.append(("coexec, plans on a thread", {THREAD: True}))
     for name, fn, n in (("REINFORCE", reinforce, args.episodes), ("LBFGS", lbfgs, args.lbfgs_steps)):
         base = None
         for mode, tape_args in modes:
             if tape_args is not None:
                 tape_args = {**tape_args, "debug": args.debug}
+                PLANNER._in_process = tape_args.pop(THREAD, False)
             times, losses, tape = fn(n, tape_args)
             coexec.wait_for_plans()  # plans of this run are not made during the next one
+            PLANNER._in_process = False
             if base is None:
                 base, eager_losses = statistics.median(times), losses
             slowest = max(range(n), key=lambda i: times[i])

@@ -33,11 +33,6 @@ import torch
 from .planning import PlanRequest, PlanResult, make_plan
 
 
-# the child's scheduling priority below the training process (Linux weights: about a tenth of
-# a core's time while both want it; all of it while the training process waits or is idle)
-NICENESS = 10
-
-
 class PlanProcessError(RuntimeError):
     """The child process could not make this plan (not the planner failing: a plan that
     fails comes back as a :class:`PlanResult` with its error)."""
@@ -205,8 +200,6 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     torch.set_num_threads(1)
-    if hasattr(os, "nice"):  # background work: the training process comes first for the CPU
-        os.nice(NICENESS)
     serve(sys.stdin.buffer, out)
 
 
