@@ -552,6 +552,8 @@ class Cursor:
 
     def same(self, node: Node, key: OpKey, srcs: tuple, ctx: Ctx) -> bool:
         """Does the op match ``node`` as it is (promoted arguments are wildcards)?"""
+        if node.key.func != key.func or len(node.key.attrs) != len(key.attrs):
+            return False  # another op (before filling in promoted arguments: it may have fewer)
         if node.promoted:
             attrs = list(key.attrs)
             for p in node.promoted:

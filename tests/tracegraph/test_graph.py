@@ -171,6 +171,26 @@ def test_a_varying_python_scalar_becomes_a_fed_input():
     assert len(g.root.nodes) == 2
 
 
+def test_another_op_with_fewer_arguments_where_a_promoted_op_was_is_a_new_branch():
+    """Found by the fuzzer (seed 93): an op with a promoted argument was compared with an op of
+    fewer arguments by filling in the promoted one first, and the merge raised IndexError."""
+    w = torch.randn(3, 3)
+
+    def step(scale, transpose):
+        y = w.exp()
+        z = y.t() if transpose else y * scale
+        return z.sum()
+
+    g = TraceGraph()
+    g.merge(rec(step, 0.5, False))
+    assert g.merge(rec(step, 0.7, False)) is True  # aten::mul's scalar is promoted
+    assert next(n for n in g.root.nodes if n.name == "aten::mul.Tensor").promoted == {1}
+    branch = rec(step, 0.5, True)
+    assert not g.covers(branch)
+    assert g.merge(branch) is True  # a new branch: aten::t beside aten::mul
+    assert g.covers(rec(step, 0.9, False)) and g.covers(rec(step, 0.1, True))
+
+
 def test_a_scalar_that_changes_shapes_is_not_promoted():
     x = torch.randn(3, 4)
     g = TraceGraph()
