@@ -161,6 +161,12 @@ class Trace:
     def __len__(self) -> int:
         return len(self.ops)
 
+    def __reduce__(self) -> tuple:
+        # as columns of ints with each distinct op key and metadata once (tracegraph/wire.py)
+        from .wire import from_columns, to_columns
+
+        return from_columns, (to_columns(self),)
+
     def __repr__(self) -> str:
         return (
             f"<Trace {self.status}: {len(self.ops)} ops, {len(self.externals)} external inputs, "
