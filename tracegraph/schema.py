@@ -66,9 +66,18 @@ class TensorMeta(NamedTuple):
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
+        """The tensor's metadata, one object per distinct value: traces keep one per value
+        and per op input, and a million small objects made each full garbage collection take
+        0.7 s (see :data:`_METAS`)."""
         layout = t.layout
         stride = t.stride() if layout is _STRIDED else None
-        return _tuple_new(TensorMeta, (t.shape, t.dtype, t.device, layout, stride, t.requires_grad))
+        meta = _tuple_new(TensorMeta, (t.shape, t.dtype, t.device, layout, stride, t.requires_grad))
+        found = _METAS.get(meta)
+        if found is None:
+            if len(_METAS) >= _METAS_MAX:  # sizes that vary without end: start again
+                _METAS.clear()
+            found = _METAS[meta] = meta
+        return found
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +93,10 @@ class TensorMeta(NamedTuple):
 
 
 _STRIDED = torch.strided
+# every distinct TensorMeta made by TensorMeta.of, so equal ones are one object (immutable:
+# sharing is safe; each field compares exactly, unlike a float attribute where 0.0 == -0.0)
+_METAS: dict[TensorMeta, TensorMeta] = {}
+_METAS_MAX = 1 << 16
 _tuple_new = tuple.__new__
 
 
