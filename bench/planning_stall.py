@@ -1,6 +1,6 @@
 """Does planning stall a step? (issue 14: "Planning must never stall a step")
 
-    python bench/planning_stall.py [--episodes 60] [--lbfgs-steps 12] [--debug] [--thread]
+    python bench/planning_stall.py [--episodes 60] [--lbfgs-steps 12] [--repeat 3] [--debug] [--thread]
 
 Two programs that used to stall for seconds while the arena was re-planned after each new
 trace, on the step's critical path:
@@ -12,13 +12,16 @@ trace, on the step's critical path:
   up to 20 times and the optimizer reads many scalars (``.item()``) between them.
 
 Each program runs eagerly, under ``coexec.GradientTape(arena=False)`` (no plans: what tracing and
-co-execution cost alone), and under ``coexec.GradientTape()`` (same seed, same process). The
-script prints per program: the median eager step, the slowest co-executed or fallback step,
-their ratio, how many steps took over 3x the median eager step, and the time steps spent
-planning on their critical path or waiting for a plan (``tape.stats.plan_wait_seconds``).
-With ``--debug`` the tape logs plans starting and arriving in the background; with ``--thread``
-a fourth run makes the plans on the planner thread, as when the planning process cannot start
-(coexec/plan_process.py), sharing the GIL with the steps.
+co-execution cost alone), and under ``coexec.GradientTape()`` (same seed, same process), each
+``--repeat`` times, interleaved; a step's time is its median over the runs (on a 2-core machine
+one step varies by a third between runs). The script prints per program: the median eager
+step, the slowest co-executed or fallback step, their ratio, how many steps took over 3x the
+median eager step, the most that planning added to one step (its time minus the same step's
+time without plans: same seed, so the same episodes and traces; co-executed steps with plans
+also run in the arena), and the time steps waited for a plan
+(``tape.stats.plan_wait_seconds``). With ``--debug`` the tape logs plans starting and arriving
+in the background; with ``--thread`` a fourth run makes the plans on the planner thread, as
+when the planning process cannot start (coexec/plan_process.py), sharing the GIL with the steps.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=60)
     ap.add_argument("--lbfgs-steps", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each mode, interleaved")
     ap.add_argument("--debug", action="store_true", help="the tape logs plans to stderr")
     ap.add_argument(
         "--thread", action="store_true",
@@ -134,35 +138,49 @@ def main() -> None:
     if args.thread:
         modes.append(("coexec, plans on a thread", {THREAD: True}))
     for name, fn, n in (("REINFORCE", reinforce, args.episodes), ("LBFGS", lbfgs, args.lbfgs_steps)):
-        base = None
-        for mode, tape_args in modes:
-            if tape_args is not None:
-                tape_args = {**tape_args, "debug": args.debug}
-                PLANNER._in_process = tape_args.pop(THREAD, False)
-            times, losses, tape = fn(n, tape_args)
-            coexec.wait_for_plans()  # plans of this run are not made during the next one
-            PLANNER._in_process = False
-            if base is None:
-                base, eager_losses = statistics.median(times), losses
-            slowest = max(range(n), key=lambda i: times[i])
-            s = tape.stats if tape is not None else None
+        runs: dict[str, list[tuple[list[float], list[float], object]]] = {m: [] for m, _ in modes}
+        for r in range(args.repeat):
+            for mode, tape_args in modes:
+                if tape_args is not None:
+                    tape_args = {**tape_args, "debug": args.debug}
+                    PLANNER._in_process = tape_args.pop(THREAD, False)
+                runs[mode].append(fn(n, tape_args))
+                coexec.wait_for_plans()  # plans of this run are not made during the next one
+                PLANNER._in_process = False
+                print(f"{name}, {mode}, run {r + 1}: step times (ms):", _ms(runs[mode][-1][0]), flush=True)
+        # per step, the median over the runs: a step's time varies by a third between runs here
+        times = {m: [statistics.median(ts) for ts in zip(*(t for t, _, _ in rs))] for m, rs in runs.items()}
+        base = statistics.median(times["eager"])
+        eager_losses = runs["eager"][0][1]
+        for mode, _ in modes:
+            ts = times[mode]
+            slowest = max(range(n), key=lambda i: ts[i])
+            s = runs[mode][-1][2].stats if mode != "eager" else None
+            added = [a - b for a, b in zip(ts, times["coexec, no plans"])] if s and mode != "coexec, no plans" else None
+            most = max(range(n), key=lambda i: added[i]) if added else None
             rows.append(
                 {
                     "program": name,
                     "run": mode,
                     "steps": n,
-                    "median step (ms)": f"{1e3 * statistics.median(times):.1f}",
-                    "slowest step (ms)": f"{1e3 * times[slowest]:.0f} (step {slowest})",
-                    "slowest / median eager": f"{times[slowest] / base:.1f}x",
-                    "steps > 3x median eager": sum(t > 3 * base for t in times),
-                    "total (s)": f"{sum(times):.2f}",
-                    "planning on the steps (s)": f"{s.plan_wait_seconds:.3f}" if s else "",
+                    "median step (ms)": f"{1e3 * statistics.median(ts):.1f}",
+                    "slowest step (ms)": f"{1e3 * ts[slowest]:.0f} (step {slowest})",
+                    "slowest / median eager": f"{ts[slowest] / base:.1f}x",
+                    "steps > 3x median eager": sum(t > 3 * base for t in ts),
+                    "most added by planning (ms)": "" if most is None else f"{1e3 * added[most]:.0f} (step {most})",
+                    "added / median eager": "" if most is None else f"{added[most] / base:.1f}x",
+                    "total (s)": f"{sum(ts):.2f}",
+                    "waiting for plans (s)": f"{s.plan_wait_seconds:.3f}" if s else "",
                     "traces / coexec / fallbacks": f"{s.traces} / {s.coexec_steps} / {s.fallbacks}" if s else "",
-                    "bit-equal losses": losses == eager_losses,
+                    "bit-equal losses": all(losses == eager_losses for _, losses, _ in runs[mode]),
                 }
             )
-            print(f"{name}, {mode}: step times (ms):", " ".join(f"{1e3 * t:.0f}" for t in times), flush=True)
+    print(f"(per step: the median of {args.repeat} runs; eager median step {1e3 * base:.1f} ms)")
     print(markdown_table(rows))
+
+
+def _ms(times: list[float]) -> str:
+    return " ".join(f"{1e3 * t:.0f}" for t in times)
 
 
 if __name__ == "__main__":
