@@ -307,7 +307,7 @@ class Recorder:
         writes = tuple(i for i, arg in enumerate(owner) if arg in sch.writes)
         rec = OpRecord(
             index=index,
-            key=OpKey(func, attrs, metas, loc),
+            key=OpKey.of(func, attrs, metas, loc),
             inputs=inputs,
             outputs=(),
             writes=writes,

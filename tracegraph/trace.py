@@ -34,6 +34,19 @@ class OpKey:
         self.loc = loc
         self._hash = hash((func, attrs, metas, loc))
 
+    @staticmethod
+    def of(func: torch._ops.OpOverload, attrs: tuple, metas: tuple[TensorMeta, ...], loc: Location) -> "OpKey":
+        """The key, one object per distinct key (see :data:`_KEYS`): an op in a loop makes an
+        equal key every iteration, and a trace of many thousand keys, each with its tuples,
+        made full garbage collections and pickling for the planning process slow."""
+        key = OpKey(func, attrs, metas, loc)
+        found = _KEYS.get(key)
+        if found is None:
+            if len(_KEYS) >= _KEYS_MAX:  # locations or values that vary without end: start again
+                _KEYS.clear()
+            found = _KEYS[key] = key
+        return found
+
     def __hash__(self) -> int:
         return self._hash
 
@@ -58,6 +71,13 @@ class OpKey:
 
     def __repr__(self) -> str:
         return f"OpKey({self.func}, at {CODES.describe(self.loc)})"
+
+
+# every distinct OpKey made by OpKey.of. Equal keys are one op to the TraceGraph already
+# (DESIGN.md §3), so sharing one object changes nothing a step runs: the executor takes
+# arguments from the step, never from a key.
+_KEYS: dict[OpKey, OpKey] = {}
+_KEYS_MAX = 1 << 16
 
 
 @dataclass(eq=False, slots=True)

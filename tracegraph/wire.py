@@ -11,7 +11,8 @@ Python; :func:`from_columns` builds an equal trace back.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from operator import attrgetter
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -22,12 +23,12 @@ _tuple_new = tuple.__new__
 
 
 class TraceColumns(NamedTuple):
-    """A trace's fields with its metadata and op keys as indices into tables."""
+    """A trace's fields as columns, its metadata and op keys as indices into tables."""
 
     metas: tuple[tuple, ...]  # distinct TensorMetas: (shape as a tuple, dtype, ...)
     keys: tuple[tuple, ...]  # distinct OpKeys: (op name, overload, attrs, meta indices, loc)
-    values: tuple[tuple, ...]  # per value: (vid, producer, out_index, meta index, storage)
-    ops: tuple[tuple, ...]  # per op: its OpRecord fields, the key as an index
+    values: tuple[tuple, ...]  # one column per field of _VALUE_FIELDS, metadata as indices
+    ops: tuple[tuple, ...]  # one column per field of _OP_FIELDS, the key as indices
     fetches: tuple[tuple, ...]
     externals: tuple[int, ...]
     storage_bytes: dict[int, int]
@@ -39,44 +40,41 @@ class TraceColumns(NamedTuple):
     error: BaseException | None
 
 
+_VALUE_FIELDS = ("vid", "producer", "out_index", "meta", "storage")
+_OP_FIELDS = (
+    "index", "key", "inputs", "outputs", "writes", "python_result", "backward_of", "out_alias",
+    "n_returned", "out_struct", "seconds",
+)  # fmt: skip
+
+
+def _indices(objs: Sequence, table: dict) -> tuple[int, ...]:
+    """Each of ``objs`` as its index in ``table`` (object -> index; equal objects share one,
+    new ones are added). Looked up by identity first, in C (equal metadata is mostly one
+    object: TensorMeta.of interns it), then each distinct object by value."""
+    firsts = dict(zip(map(id, objs), objs))
+    by_id = {i: table.setdefault(o, len(table)) for i, o in firsts.items()}
+    return tuple(map(by_id.__getitem__, map(id, objs)))
+
+
 def to_columns(trace: Trace) -> TraceColumns:
+    """``trace`` as columns (in C where it can: one Python call per distinct object)."""
     metas: dict[TensorMeta, int] = {}
     keys: dict[OpKey, int] = {}
-    key_rows: list[tuple] = []
-
-    def meta_index(m: TensorMeta) -> int:
-        i = metas.get(m)
-        if i is None:
-            i = metas[m] = len(metas)
-        return i
-
-    def key_index(k: OpKey) -> int:
-        i = keys.get(k)
-        if i is None:
-            i = keys[k] = len(keys)
-            func = k.func
-            row = (func._schema.name, func._overloadname, k.attrs, tuple(map(meta_index, k.metas)), k.loc)
-            key_rows.append(row)
-        return i
-
-    values = tuple(
-        (v.vid, v.producer, v.out_index, meta_index(v.meta), v.storage) for v in trace.values
+    values = [tuple(map(attrgetter(f), trace.values)) for f in _VALUE_FIELDS]
+    values[3] = _indices(values[3], metas)
+    ops = [tuple(map(attrgetter(f), trace.ops)) for f in _OP_FIELDS]
+    ops[1] = _indices(ops[1], keys)
+    key_rows = tuple(
+        (k.func._schema.name, k.func._overloadname, k.attrs, _indices(k.metas, metas), k.loc) for k in keys
     )  # fmt: skip
-    ops = tuple(
-        (
-            op.index, key_index(op.key), op.inputs, op.outputs, op.writes, op.python_result,
-            op.backward_of, op.out_alias, op.n_returned, op.out_struct, op.seconds,
-        )  # fmt: skip
-        for op in trace.ops
-    )
     meta_rows = tuple(
         (tuple(m.shape), m.dtype, m.device, m.layout, m.stride, m.requires_grad) for m in metas
     )  # fmt: skip
     return TraceColumns(
         metas=meta_rows,
-        keys=tuple(key_rows),
-        values=values,
-        ops=ops,
+        keys=key_rows,
+        values=tuple(values),
+        ops=tuple(ops),
         fetches=tuple((f.kind, f.vid, f.after, f.loc) for f in trace.fetches),
         externals=tuple(trace.externals),
         storage_bytes=trace.storage_bytes,
@@ -100,8 +98,10 @@ def from_columns(c: TraceColumns) -> Trace:
         OpKey(_op(name, overload), attrs, tuple(metas[i] for i in ms), loc)
         for name, overload, attrs, ms, loc in c.keys
     ]  # fmt: skip
-    values = [Value(vid, p, k, metas[m], s) for vid, p, k, m, s in c.values]
-    ops = [OpRecord(i, keys[k], *rest) for i, k, *rest in c.ops]
+    vids, producers, out_indices, meta_indices, storages = c.values
+    values = list(map(Value, vids, producers, out_indices, map(metas.__getitem__, meta_indices), storages))
+    index, key_indices, *rest = c.ops
+    ops = list(map(OpRecord, index, map(keys.__getitem__, key_indices), *rest))
     return Trace(
         ops=ops,
         values=values,

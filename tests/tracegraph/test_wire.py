@@ -54,3 +54,25 @@ def test_each_distinct_op_key_and_metadata_is_stored_once():
     back = from_columns(cols)
     # ops with equal keys share one key object after the trip
     assert len({id(op.key) for op in back.ops}) == len(cols.keys)
+
+
+def test_equal_keys_and_metadata_of_a_loop_are_one_object_each():
+    # the recorder interns them (OpKey.of, TensorMeta.of): fewer objects for the garbage
+    # collector, and the columns above are built by identity in C
+    tr = looped()
+    assert len({id(op.key) for op in tr.ops}) == len({op.key for op in tr.ops}) < len(tr.ops)
+    assert len({id(v.meta) for v in tr.values}) == len({v.meta for v in tr.values}) < len(tr.values)
+    # two traces of the same step share them too
+    again = looped()
+    assert {id(op.key) for op in again.ops} <= {id(op.key) for op in tr.ops}
+
+
+def test_the_intern_tables_are_bounded(monkeypatch):
+    from tracegraph import schema, trace
+
+    monkeypatch.setattr(schema, "_METAS_MAX", 4)
+    monkeypatch.setattr(trace, "_KEYS_MAX", 4)
+    for n in range(1, 10):  # sizes never seen before: each a new meta and new keys
+        with record():
+            torch.zeros(n + 1000).add(1)
+        assert len(schema._METAS) <= 4 and len(trace._KEYS) <= 4
