@@ -18,15 +18,22 @@ one step varies by a third between runs). The script prints per program: the med
 step, the slowest co-executed or fallback step, their ratio, how many steps took over 3x the
 median eager step, the most that planning added to one step (its time minus the same step's
 time without plans: same seed, so the same episodes and traces; co-executed steps with plans
-also run in the arena), and the time steps waited for a plan
-(``tape.stats.plan_wait_seconds``). With ``--debug`` the tape logs plans starting and arriving
-in the background; with ``--thread`` a fourth run makes the plans on the planner thread, as
-when the planning process cannot start (coexec/plan_process.py), sharing the GIL with the steps.
+also run in the arena), the largest difference between two runs of one step in that mode
+(how much of "added" is noise), the time steps waited for a plan
+(``tape.stats.plan_wait_seconds``), and the CPU time this process spent on plans over all
+steps (``tape.stats.plan_local_seconds``: pickling requests for the planning process and
+reading its plans, on the planner thread, holding the GIL beside the steps; the most of a run),
+and the most one plan took (each new trace asks for one, sent while the next step runs; its
+ratio to the median eager step is what planning takes from a step in this process).
+With ``--debug`` the tape logs plans starting and arriving in the background; with
+``--thread`` a fourth run makes the plans on the planner thread, as when the planning process
+cannot start (coexec/plan_process.py), sharing the GIL with the steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -44,6 +51,19 @@ from common import markdown_table  # noqa: E402
 
 
 THREAD = "plans on the planner thread"
+LOCAL: list[float] = []  # per plan made: its local_seconds (see _record_local_seconds)
+
+
+def _record_local_seconds() -> None:
+    """Keep each plan's CPU time in this process (tape.stats.plan_local_seconds sums them)."""
+    count = coexec.tape.Program._count_local_seconds
+
+    def counted(self, done):
+        if not done.cancelled() and done.exception() is None:
+            LOCAL.append(done.result().local_seconds)
+        count(self, done)
+
+    coexec.tape.Program._count_local_seconds = counted
 
 
 class Policy(nn.Module):
@@ -133,19 +153,24 @@ def main() -> None:
         "cannot start: sharing the GIL with the steps)",
     )  # fmt: skip
     args = ap.parse_args()
+    _record_local_seconds()
     rows = []
     modes = [("eager", None), ("coexec, no plans", {"arena": False}), ("coexec", {})]
     if args.thread:
         modes.append(("coexec, plans on a thread", {THREAD: True}))
     for name, fn, n in (("REINFORCE", reinforce, args.episodes), ("LBFGS", lbfgs, args.lbfgs_steps)):
         runs: dict[str, list[tuple[list[float], list[float], object]]] = {m: [] for m, _ in modes}
+        largest: dict[str, float] = {}  # the most CPU time one plan took in this process
         for r in range(args.repeat):
             for mode, tape_args in modes:
                 if tape_args is not None:
                     tape_args = {**tape_args, "debug": args.debug}
                     PLANNER._in_process = tape_args.pop(THREAD, False)
+                LOCAL.clear()
                 runs[mode].append(fn(n, tape_args))
                 coexec.wait_for_plans()  # plans of this run are not made during the next one
+                largest[mode] = max(largest.get(mode, 0.0), *LOCAL, 0.0)
+                gc.collect()  # and each run starts from an empty garbage collector
                 PLANNER._in_process = False
                 print(f"{name}, {mode}, run {r + 1}: step times (ms):", _ms(runs[mode][-1][0]), flush=True)
         # per step, the median over the runs: a step's time varies by a third between runs here
@@ -158,6 +183,8 @@ def main() -> None:
             s = runs[mode][-1][2].stats if mode != "eager" else None
             added = [a - b for a, b in zip(ts, times["coexec, no plans"])] if s and mode != "coexec, no plans" else None
             most = max(range(n), key=lambda i: added[i]) if added else None
+            local = max(r[2].stats.plan_local_seconds for r in runs[mode]) if s else 0.0
+            spread = max(max(ts) - min(ts) for ts in zip(*(t for t, _, _ in runs[mode])))
             rows.append(
                 {
                     "program": name,
@@ -169,8 +196,12 @@ def main() -> None:
                     "steps > 3x median eager": sum(t > 3 * base for t in ts),
                     "most added by planning (ms)": "" if most is None else f"{1e3 * added[most]:.0f} (step {most})",
                     "added / median eager": "" if most is None else f"{added[most] / base:.1f}x",
+                    "spread between runs (ms)": f"{1e3 * spread:.0f}" if args.repeat > 1 else "",
                     "total (s)": f"{sum(ts):.2f}",
                     "waiting for plans (s)": f"{s.plan_wait_seconds:.3f}" if s else "",
+                    "planning CPU here: all, largest plan (ms)": (
+                        f"{1e3 * local:.0f}, {1e3 * largest[mode]:.0f} ({largest[mode] / base:.1f}x)" if s else ""
+                    ),
                     "traces / coexec / fallbacks": f"{s.traces} / {s.coexec_steps} / {s.fallbacks}" if s else "",
                     "bit-equal losses": all(losses == eager_losses for _, losses, _ in runs[mode]),
                 }

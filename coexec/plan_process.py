@@ -108,7 +108,7 @@ class PlanProcess:
         """``req`` planned in the child; ``probes``: every probe answer made so far (those
         not yet sent are sent)."""
         try:
-            proc = self._start()
+            proc = self.start()
             job = self._job(req, probes)
             _write(proc.stdin, dumps(job))
             answer = pickle.loads(_read(proc.stdout))
@@ -134,7 +134,8 @@ class PlanProcess:
             proc.kill()
             proc.wait()
 
-    def _start(self) -> subprocess.Popen:
+    def start(self) -> subprocess.Popen:
+        """The child, started now if it is not running (it imports torch: a second or two)."""
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         if self._proc is not None:

@@ -60,6 +60,9 @@ class PlanResult:
     error: BaseException | None = None  # planning itself failed (a bug: said, never hidden)
     seconds: float = 0.0
     pid: int | None = None  # the process that made it (coexec/plan_process.py), if not this one
+    # CPU seconds the training process's planner thread spent on it, holding the GIL beside
+    # the steps: pickling the request and reading the plan (all of planning, made on the thread)
+    local_seconds: float = 0.0
 
 
 def make_plan(req: PlanRequest) -> PlanResult:
@@ -119,13 +122,25 @@ class Planner:
                 return future
             self._unfinished.add(future)
             future.add_done_callback(self._unfinished.discard)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="coexec-planner", daemon=True
-                )
-                self._thread.start()
+            self._ensure_thread()
         self._queue.put((future, req))
         return future
+
+    def prepare(self) -> None:
+        """Start the planning process now, before the first plan is asked for: it takes a
+        second or two to import torch, on another core, and the first step (traced) runs
+        meanwhile; started with the first plan instead, the step after it ran up to ~0.1 s
+        slower and its plan came that much later."""
+        with self._lock:
+            if self._closed or self._in_process or self._process is not None:
+                return
+            self._ensure_thread()
+        self._queue.put((None, None))
+
+    def _ensure_thread(self) -> None:  # under self._lock
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="coexec-planner", daemon=True)
+            self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every plan asked for so far is made; False if ``timeout`` ran out."""
@@ -156,12 +171,29 @@ class Planner:
     def _run(self) -> None:
         while True:
             future, req = self._queue.get()
+            if future is None:  # prepare(): start the planning process
+                self._start_process()
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(self._make(req))
+                t0 = time.thread_time()
+                result = self._make(req)
+                future.set_result(replace(result, local_seconds=time.thread_time() - t0))
             except BaseException as e:  # noqa: BLE001  (never leave a step waiting)
                 future.set_exception(e)
+
+    def _start_process(self) -> None:
+        from .plan_process import PlanProcess
+
+        if self._in_process or self._closed:
+            return
+        if self._process is None:
+            self._process = PlanProcess()
+        try:
+            self._process.start()
+        except OSError:
+            pass  # the first plan tries again, and says so if it cannot
 
     def _make(self, req: PlanRequest) -> PlanResult:
         """In the planning process if it works, else here (sharing the GIL with the steps:

@@ -82,6 +82,9 @@ class TapeStats:
     # (only under a memory budget)
     planned_paths: int = 0
     plan_wait_seconds: float = 0.0
+    # CPU seconds this process spent on the plans made (pickling requests for the planning
+    # process and reading its plans), on the planner thread beside the steps
+    plan_local_seconds: float = 0.0
 
 
 class Program:
@@ -142,9 +145,15 @@ class Program:
             self._install(PlanResult(req))
             return None
         self.latest = PLANNER.submit(req)
+        self.latest.add_done_callback(self._count_local_seconds)
         self.futures.append(self.latest)
         what = f"memory budget {format_bytes(budget)}" if budget is not None else "arena"
         return f"planning {len(self.paths)} path(s) in the background ({what})"
+
+    def _count_local_seconds(self, done: Future) -> None:
+        # on the planner thread, as each plan is made (also those never used)
+        if not done.cancelled() and done.exception() is None:
+            self.stats.plan_local_seconds += done.result().local_seconds
 
     @property
     def plan_current(self) -> bool:
@@ -341,6 +350,8 @@ class GradientTape:
         program = fam.choose()
         if program is None:
             program = _new_program(fam)
+            if self.arena or self.memory_budget is not None:
+                PLANNER.prepare()  # the planning process starts while the first step is traced
         else:
             programs.touch(program)
         self._program = program

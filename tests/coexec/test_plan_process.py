@@ -56,6 +56,8 @@ def test_plans_are_made_in_another_process_and_equal_those_made_here():
     assert here is not None and program.arena_plan is not None
     assert program.arena_plan.offsets == here.offsets
     assert program.arena_plan.arena_bytes == here.arena_bytes
+    # the CPU this process spent on those plans (pickling) is counted
+    assert 0 < tape.stats.plan_local_seconds
 
 
 def test_each_trace_is_sent_once_and_forgotten_when_let_go_of():
@@ -101,7 +103,7 @@ def test_without_a_planning_process_plans_are_made_here_and_it_is_said(monkeypat
     planner = Planner()
     monkeypatch.setattr(planning, "PLANNER", planner)
     monkeypatch.setattr(coexec.tape, "PLANNER", planner)
-    monkeypatch.setattr(PlanProcess, "_start", no_processes)
+    monkeypatch.setattr(PlanProcess, "start", no_processes)
     eager_losses, eager_state, _ = run(make, step, 6, False)
     with pytest.warns(RuntimeWarning, match=r"the planning process failed \(OSError: no processes"):
         losses, state, tape = run(make, step, 6, True, key="plan-process-none")
@@ -126,3 +128,30 @@ def test_each_path_is_prepared_once_however_often_it_is_planned(monkeypatch):
     monkeypatch.setattr(coexec.arena, "_PREPARED", type(coexec.arena._PREPARED)())
     anew = make_plan(PlanRequest(3, paths, keys, None, None, True))  # every path built again
     assert first.arena_plan is not None and again.arena_plan.offsets == anew.arena_plan.offsets
+
+
+def test_the_planning_process_starts_while_the_first_step_runs(monkeypatch):
+    # it imports torch for a second or two: started with the first plan, the step after the
+    # first ran beside that import and its plan came later
+    import time
+
+    coexec.wait_for_plans(60)
+    planner = Planner()
+    monkeypatch.setattr(planning, "PLANNER", planner)
+    monkeypatch.setattr(coexec.tape, "PLANNER", planner)
+    model = torch.nn.Linear(4, 2)
+    with coexec.GradientTape(key="plan-process-early"):
+        deadline = time.monotonic() + 30
+        while planner._process is None or planner._process.pid is None:
+            assert time.monotonic() < deadline, "the planning process did not start"
+            time.sleep(0.01)
+        assert not planner._unfinished  # no plan asked for yet
+        model(torch.randn(3, 4)).sum().backward()
+    # without an arena or a budget there is nothing to plan: no process
+    idle = Planner()
+    monkeypatch.setattr(coexec.tape, "PLANNER", idle)
+    with coexec.GradientTape(key="plan-process-none-needed", arena=False):
+        model(torch.randn(3, 4)).sum().backward()
+    time.sleep(0.1)
+    assert idle._process is None and idle._thread is None
+    planner.close()
