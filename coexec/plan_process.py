@@ -3,8 +3,9 @@
 A planner thread in the training process (``coexec.planning.Planner``) hands each request
 here. Making a plan is Python-heavy (graphs, intervals, the simulator); in the same process it
 took the GIL from the skeleton and the executor and made the steps around it up to 3x slower
-(docs/coexec.md, *Plans are made in the background*). Here the thread only pickles the
-request and waits on a pipe, which releases the GIL.
+(docs/coexec.md, *Plans are made in the background*). Here the thread only sends the
+request and waits on a pipe, which releases the GIL; each new path was pickled by the step's
+thread when it asked for the plan (:meth:`PlanProcess.encode`).
 
 The child (``python -m coexec.plan_process``) keeps every path's trace it was sent, so each
 trace crosses the pipe once; a trace the program lets go of is forgotten in the child with the
@@ -44,7 +45,7 @@ class Job:
 
     request: PlanRequest  # with traces=() and keys=()
     path_ids: tuple[int, ...]  # per path of the request, its trace's id
-    new_traces: dict[int, tuple[Any, tuple]]  # id -> (trace, its op keys), new to the child
+    new_traces: dict[int, bytes]  # id -> (trace, its op keys) pickled, new to the child
     forget: tuple[int, ...]  # ids of traces the training process let go of
     probes: dict  # coexec.arena probe answers the child has not seen
 
@@ -99,6 +100,27 @@ class PlanProcess:
         self._forget: list[int] = []  # appended by finalizers, on any thread
         self._lock = threading.Lock()
         self._probes_sent = 0
+        self._encoded: dict[int, bytes] = {}  # id(trace) -> (trace, keys) pickled: encode()
+
+    def encode(self, trace: Any, keys: tuple) -> None:
+        """Pickle a path for the child now, on the calling thread (the step's, which made the
+        trace: ~6 us an op, a few percent of recording it). On the planner thread the same
+        work took the GIL from whichever step ran next, often a co-executed one, and paths
+        queued behind a plan went in one burst: up to 5x a REINFORCE program's median eager
+        step (bench/planning_stall.py)."""
+        key = id(trace)
+        with self._lock:
+            if key in self._ids or key in self._encoded:
+                return
+        payload = dumps((trace, keys))
+        with self._lock:
+            self._encoded[key] = payload
+        weakref.finalize(trace, self._unencode, key, payload)
+
+    def _unencode(self, key: int, payload: bytes) -> None:
+        with self._lock:
+            if self._encoded.get(key) is payload:
+                del self._encoded[key]
 
     @property
     def pid(self) -> int | None:
@@ -157,7 +179,9 @@ class PlanProcess:
             key = id(trace)
             if key not in self._ids:
                 self._ids[key] = self._next_id
-                new[self._next_id] = (trace, keys)
+                with self._lock:
+                    payload = self._encoded.pop(key, None)
+                new[self._next_id] = payload if payload is not None else dumps((trace, keys))
                 weakref.finalize(trace, self._gone, key, self._next_id)
                 self._next_id += 1
             ids.append(self._ids[key])
@@ -184,7 +208,7 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
             return
         for tid in job.forget:
             paths.pop(tid, None)
-        paths.update(job.new_traces)
+        paths.update((tid, pickle.loads(payload)) for tid, payload in job.new_traces.items())
         arena._PROBED.update(job.probes)
         traces, keys = zip(*(paths[t] for t in job.path_ids)) if job.path_ids else ((), ())
         req = replace(job.request, traces=tuple(traces), keys=tuple(keys))

@@ -60,8 +60,9 @@ class PlanResult:
     error: BaseException | None = None  # planning itself failed (a bug: said, never hidden)
     seconds: float = 0.0
     pid: int | None = None  # the process that made it (coexec/plan_process.py), if not this one
-    # CPU seconds the training process's planner thread spent on it, holding the GIL beside
-    # the steps: pickling the request and reading the plan (all of planning, made on the thread)
+    # CPU seconds the training process spent on it: the step's thread pickling new paths as it
+    # asked, the planner thread sending the request and reading the plan (holding the GIL
+    # beside the steps; all of planning when made on the thread)
     local_seconds: float = 0.0
 
 
@@ -111,7 +112,7 @@ class Planner:
         self._lock = threading.Lock()
         self._unfinished: set[Future] = set()
         self._closed = False
-        self._process: PlanProcess | None = None  # started with the first plan
+        self._process: PlanProcess | None = None  # its child started by prepare() or a plan
         self._in_process = False  # the planning process failed: plans are made here
 
     def submit(self, req: PlanRequest) -> Future:
@@ -123,7 +124,15 @@ class Planner:
             self._unfinished.add(future)
             future.add_done_callback(self._unfinished.discard)
             self._ensure_thread()
-        self._queue.put((future, req))
+        t0 = time.thread_time()
+        if not self._in_process:
+            child = self._child()
+            for trace, keys in zip(req.traces, req.keys):
+                try:
+                    child.encode(trace, keys)
+                except Exception:  # noqa: BLE001  (the planner thread tries again and says why)
+                    break
+        self._queue.put((future, req, time.thread_time() - t0))
         return future
 
     def prepare(self) -> None:
@@ -132,10 +141,18 @@ class Planner:
         meanwhile; started with the first plan instead, the step after it ran up to ~0.1 s
         slower and its plan came that much later."""
         with self._lock:
-            if self._closed or self._in_process or self._process is not None:
+            if self._closed or self._in_process or (self._process and self._process.pid):
                 return
             self._ensure_thread()
-        self._queue.put((None, None))
+        self._queue.put((None, None, 0.0))
+
+    def _child(self) -> PlanProcess:
+        from .plan_process import PlanProcess
+
+        with self._lock:
+            if self._process is None:
+                self._process = PlanProcess()
+            return self._process
 
     def _ensure_thread(self) -> None:  # under self._lock
         if self._thread is None or not self._thread.is_alive():
@@ -170,7 +187,7 @@ class Planner:
 
     def _run(self) -> None:
         while True:
-            future, req = self._queue.get()
+            future, req, encoded = self._queue.get()  # encoded: CPU seconds of submit()
             if future is None:  # prepare(): start the planning process
                 self._start_process()
                 continue
@@ -179,19 +196,15 @@ class Planner:
             try:
                 t0 = time.thread_time()
                 result = self._make(req)
-                future.set_result(replace(result, local_seconds=time.thread_time() - t0))
+                future.set_result(replace(result, local_seconds=encoded + time.thread_time() - t0))
             except BaseException as e:  # noqa: BLE001  (never leave a step waiting)
                 future.set_exception(e)
 
     def _start_process(self) -> None:
-        from .plan_process import PlanProcess
-
         if self._in_process or self._closed:
             return
-        if self._process is None:
-            self._process = PlanProcess()
         try:
-            self._process.start()
+            self._child().start()
         except OSError:
             pass  # the first plan tries again, and says so if it cannot
 
@@ -199,13 +212,11 @@ class Planner:
         """In the planning process if it works, else here (sharing the GIL with the steps:
         the switch interval is shortened so a step waits less for it)."""
         from .arena import _PROBED
-        from .plan_process import PlanProcess, PlanProcessError
+        from .plan_process import PlanProcessError
 
         if not self._in_process:
-            if self._process is None:
-                self._process = PlanProcess()
             try:
-                return self._process.plan(_measured(req), _PROBED.copy())
+                return self._child().plan(_measured(req), _PROBED.copy())
             except PlanProcessError as e:
                 self._in_process = True
                 if self._closed:  # at exit: the process was stopped under this plan

@@ -60,14 +60,18 @@ def test_plans_are_made_in_another_process_and_equal_those_made_here():
     assert 0 < tape.stats.plan_local_seconds
 
 
+def opened(job) -> list:
+    return [(len(tr.ops), keys) for tr, keys in map(pickle.loads, job.new_traces.values())]
+
+
 def test_each_trace_is_sent_once_and_forgotten_when_let_go_of():
     t1, t2 = traced(2)
     proc = PlanProcess()
     try:
         first = proc._job(PlanRequest(1, (t1,), ((),), None, None, True), {"a": 1})
         second = proc._job(PlanRequest(2, (t1, t2), ((), ()), None, None, True), {"a": 1, "b": 2})
-        assert list(first.new_traces.values()) == [(t1, ())] and first.probes == {"a": 1}
-        assert list(second.new_traces.values()) == [(t2, ())] and second.probes == {"b": 2}
+        assert opened(first) == [(len(t1.ops), ())] and first.probes == {"a": 1}
+        assert opened(second) == [(len(t2.ops), ())] and second.probes == {"b": 2}
         assert second.path_ids == (*first.path_ids, *second.new_traces)
         assert first.request.traces == first.request.keys == () and second.request.number == 2
         gone = first.path_ids[0]
@@ -75,6 +79,28 @@ def test_each_trace_is_sent_once_and_forgotten_when_let_go_of():
         gc.collect()
         third = proc._job(PlanRequest(3, (t2,), ((),), None, None, True), {"a": 1, "b": 2})
         assert third.forget == (gone,) and third.new_traces == {} and third.probes == {}
+    finally:
+        proc.close()
+
+
+def test_a_path_is_pickled_on_the_thread_that_asks_and_sent_as_it_is():
+    # the step's thread pickles a new path when it asks for a plan (Planner.submit), so the
+    # planner thread does not take the GIL from the next step to do it
+    (tr,) = traced()
+    proc = PlanProcess()
+    try:
+        proc.encode(tr, ("k",))
+        payload = proc._encoded[id(tr)]
+        job = proc._job(PlanRequest(1, (tr,), (("k",),), None, None, True), {})
+        assert [p is payload for p in job.new_traces.values()] == [True] and proc._encoded == {}
+        proc.encode(tr, ("k",))  # sent already: not again
+        assert proc._encoded == {}
+        (other,) = traced()
+        proc.encode(other, ())
+        key = id(other)
+        del other
+        gc.collect()
+        assert key not in proc._encoded  # let go of before any request: dropped
     finally:
         proc.close()
 
