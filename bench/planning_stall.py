@@ -22,8 +22,8 @@ also run in the arena), the largest difference between two runs of one step in t
 (how much of "added" is noise), the time steps waited for a plan
 (``tape.stats.plan_wait_seconds``), and the CPU time this process spent on plans over all
 steps (``tape.stats.plan_local_seconds``: the step that made a new path pickling it for the
-planning process, and the planner thread sending requests and reading plans beside the steps;
-the most of a run), and the most one plan took (each new trace asks for one; its ratio to the
+planning process, and the planner thread sending requests and reading plans beside the steps,
+without garbage collections; the most of a run), and the most one plan took (each new trace asks for one; its ratio to the
 median eager step is what planning takes from a step in this process).
 With ``--debug`` the tape logs plans starting and arriving in the background; with
 ``--thread`` a fourth run makes the plans on the planner thread, as when the planning process

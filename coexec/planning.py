@@ -15,6 +15,7 @@ the step's thread: the TraceGraph is never read here, so steps may merge into it
 from __future__ import annotations
 
 import atexit
+import gc
 import queue
 import sys
 import threading
@@ -60,9 +61,9 @@ class PlanResult:
     error: BaseException | None = None  # planning itself failed (a bug: said, never hidden)
     seconds: float = 0.0
     pid: int | None = None  # the process that made it (coexec/plan_process.py), if not this one
-    # CPU seconds the training process spent on it: the step's thread pickling new paths as it
-    # asked, the planner thread sending the request and reading the plan (holding the GIL
-    # beside the steps; all of planning when made on the thread)
+    # CPU seconds the training process spent on it, garbage collections left out: the step's
+    # thread pickling new paths as it asked, the planner thread sending the request and
+    # reading the plan (holding the GIL beside the steps; all of planning when made here)
     local_seconds: float = 0.0
 
 
@@ -102,6 +103,27 @@ def make_plan(req: PlanRequest) -> PlanResult:
         return PlanResult(req, error=e, seconds=time.perf_counter() - t0)
 
 
+_GC = threading.local()  # per thread: CPU seconds spent in garbage collections so far
+
+
+def _time_collections(phase: str, info: dict) -> None:
+    now = time.thread_time()
+    if phase == "start":
+        _GC.started = now
+    else:
+        _GC.seconds = getattr(_GC, "seconds", 0.0) + now - getattr(_GC, "started", now)
+
+
+gc.callbacks.append(_time_collections)
+
+
+def _cpu_seconds() -> float:
+    """This thread's CPU time without its garbage collections: a full collection (0.2-0.3 s
+    with a few REINFORCE traces alive) runs in whichever thread allocates when it is due, and
+    the objects it walks are the traces, there with or without plans (docs/coexec.md)."""
+    return time.thread_time() - getattr(_GC, "seconds", 0.0)
+
+
 class Planner:
     """One daemon thread making plans in the order they were asked for. A request that is
     still queued when its program asks again is dropped (:meth:`Future.cancel`)."""
@@ -124,7 +146,7 @@ class Planner:
             self._unfinished.add(future)
             future.add_done_callback(self._unfinished.discard)
             self._ensure_thread()
-        t0 = time.thread_time()
+        t0 = _cpu_seconds()
         if not self._in_process:
             child = self._child()
             for trace, keys in zip(req.traces, req.keys):
@@ -132,7 +154,7 @@ class Planner:
                     child.encode(trace, keys)
                 except Exception:  # noqa: BLE001  (the planner thread tries again and says why)
                     break
-        self._queue.put((future, req, time.thread_time() - t0))
+        self._queue.put((future, req, _cpu_seconds() - t0))
         return future
 
     def prepare(self) -> None:
@@ -187,18 +209,24 @@ class Planner:
 
     def _run(self) -> None:
         while True:
-            future, req, encoded = self._queue.get()  # encoded: CPU seconds of submit()
-            if future is None:  # prepare(): start the planning process
-                self._start_process()
-                continue
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                t0 = time.thread_time()
-                result = self._make(req)
-                future.set_result(replace(result, local_seconds=encoded + time.thread_time() - t0))
-            except BaseException as e:  # noqa: BLE001  (never leave a step waiting)
-                future.set_exception(e)
+            self._serve(*self._queue.get())
+
+    def _serve(self, future: Future | None, req: PlanRequest | None, encoded: float) -> None:
+        """One item of the queue; ``encoded``: CPU seconds :meth:`submit` spent on it. Its
+        request is let go of on return: kept while this thread waited for the next one, a
+        dropped program's traces (the request held the last references) were freed here
+        later, ~50 ms beside a step of another program."""
+        if future is None:  # prepare(): start the planning process
+            self._start_process()
+            return
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            t0 = _cpu_seconds()
+            result = self._make(req)
+            future.set_result(replace(result, local_seconds=encoded + _cpu_seconds() - t0))
+        except BaseException as e:  # noqa: BLE001  (never leave a step waiting)
+            future.set_exception(e)
 
     def _start_process(self) -> None:
         if self._in_process or self._closed:

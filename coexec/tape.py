@@ -82,9 +82,9 @@ class TapeStats:
     # (only under a memory budget)
     planned_paths: int = 0
     plan_wait_seconds: float = 0.0
-    # CPU seconds this process spent on the plans made: pickling new paths for the planning
-    # process (on the step's thread, as it asks) and sending requests and reading plans (on the
-    # planner thread, beside the steps)
+    # CPU seconds this process spent on the plans made, garbage collections left out: pickling
+    # new paths for the planning process (on the step's thread, as it asks) and sending
+    # requests and reading plans (on the planner thread, beside the steps)
     plan_local_seconds: float = 0.0
 
 
