@@ -104,7 +104,7 @@ class PlanProcess:
 
     def encode(self, trace: Any, keys: tuple) -> None:
         """Pickle a path for the child now, on the calling thread (the step's, which made the
-        trace: ~6 us an op, a few percent of recording it). On the planner thread the same
+        trace: ~4 us an op, a few percent of recording it). On the planner thread the same
         work took the GIL from whichever step ran next, often a co-executed one, and paths
         queued behind a plan went in one burst: up to 5x a REINFORCE program's median eager
         step (bench/planning_stall.py)."""
