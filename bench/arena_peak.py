@@ -41,7 +41,7 @@ def main() -> None:
         peaks = {}
         for arena in (False, True):
             ex = runtime.executor()
-            hits, misses = ex.arena_hits, ex.arena_misses
+            hits, misses = ex.stats().arena_hits, ex.stats().arena_misses
             r = coexec_run(name, args.batch, args.steps, None, ("arena-peak", name, arena), "cpu", arena=arena)
             peaks[arena] = r["peak"]
             rows.append({
@@ -50,8 +50,8 @@ def main() -> None:
                 "peak MB": r["peak"] / MB,
                 "arena MB": r["arena"] / MB,
                 "vs allocator": r["peak"] / peaks[False],
-                "in arena": ex.arena_hits - hits,
-                "allocator": ex.arena_misses - misses,
+                "in arena": ex.stats().arena_hits - hits,
+                "allocator": ex.stats().arena_misses - misses,
                 "step ms": 1e3 * r["seconds"],
             })  # fmt: skip
             print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)

@@ -174,7 +174,7 @@ class CoexecRun:
     def result(self, times: list[float], busy: float) -> dict:
         cuda_peak = peak_of(self.step, self.device) if self.device == "cuda" else None
         s = self.tape.stats
-        plan = self.tape._program.budget_plan
+        plan = self.tape._program.schedule
         return {
             "seconds": statistics.median(times),
             "busy": busy / len(times),
@@ -185,16 +185,16 @@ class CoexecRun:
             "offloaded": s.offloaded_storages,
             "predicted": plan.predicted_seconds if plan else None,
             "planned +%": planned_overhead(plan) if plan else None,
-            "plan s": plan.seconds if plan else None,
+            "plan s": plan.planning_seconds if plan else None,
             "arena": self.tape._program.arena.numel() if self.tape._program.arena is not None else 0,
-            "trace": self.tape._program.paths[-1],
+            "trace": self.tape._program.paths[-1].trace,
         }
 
 
 def planned_overhead(plan) -> float:
     """The plan's own added time, in % of the same path's ops without a budget (its slowest
     path): recomputation and waits for copies as the planner predicts them, measured op times."""
-    worst = max(plan.paths, key=lambda p: p.plan.predicted_seconds).plan
+    worst = max(plan.paths, key=lambda p: p.predicted_seconds)
     base = worst.predicted_seconds - worst.extra_seconds - worst.stall_seconds
     return 100 * (worst.predicted_seconds / base - 1) if base > 0 else 0.0
 

@@ -85,7 +85,7 @@ def measure(name: str, batch: int, steps: int) -> dict:
         co_step()
     if tape.stats.phase != "coexec":
         raise RuntimeError(f"{name} did not settle into co-execution: {tape.stats}")
-    traced = {op.index: op.seconds for op in tape._program.paths[-1].ops}
+    traced = {op.index: op.seconds for op in tape._program.paths[-1].trace.ops}
     rows = []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -54,8 +54,8 @@ def measure(episodes: int, intern: bool) -> dict:
     tracked = len(gc.get_objects()) - before
     collect = _best(gc.collect, 3)
     program = tape._program
-    longest = max(range(len(program.paths)), key=lambda i: len(program.paths[i].ops))
-    path = (program.paths[longest], program.path_keys[longest])
+    longest = max(range(len(program.paths)), key=lambda i: len(program.paths[i].trace.ops))
+    path = program.paths[longest]
     columns = _best(lambda: dumps(path))
     reduce = trace.Trace.__reduce__
     del trace.Trace.__reduce__
@@ -65,10 +65,10 @@ def measure(episodes: int, intern: bool) -> dict:
         trace.Trace.__reduce__ = reduce
     return {
         "traces": program.stats.traces,
-        "ops in all paths": sum(len(p.ops) for p in program.paths),
+        "ops in all paths": sum(len(p.trace.ops) for p in program.paths),
         "objects tracked by gc": tracked,
         "full gc.collect() (s)": f"{collect:.3f}",
-        "ops in the longest path": len(path[0].ops),
+        "ops in the longest path": len(path.trace.ops),
         "pickle it as columns (ms)": f"{1e3 * columns:.0f}",
         "pickle it object by object (ms)": f"{1e3 * objects:.0f}",
     }

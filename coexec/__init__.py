@@ -20,7 +20,7 @@ from .errors import (
     ExecutorTimeout,
     ValueLostError,
 )
-from planner.remat import BudgetTooSmall
+from planner import BudgetTooSmall
 
 from .placeholder import Placeholder
 from .planning import wait_for_plans

@@ -1,25 +1,22 @@
-"""The arena a program's co-executed steps allocate from (DESIGN.md §5, ``interpret`` backend).
+"""The runtime's side of the arena (DESIGN.md §5): which ops can write into it, and how.
 
-A storage is known across steps by its *key*: the TraceGraph node that makes it, the output
-index, and the loop iterations it was made in. After each new trace, the program re-plans one
-arena for all its observed paths (:func:`planner.arena.plan_arena`, validated per path by the
-simulator), and the skeleton asks the executor to write each planned output in place, through
-the op's ``out=`` variant, into a view of the arena at the planned offset.
+The plan (``planner.plan_program``) gives each placed storage one offset, known across steps
+by its ``planner.StorageKey`` (the TraceGraph node that makes it, the output, the loop
+iterations); the skeleton asks the executor to write each planned output in place, through
+the op's ``out=`` variant, into a view of the arena at that offset. What this module tells the
+planner, per observed path, is which ops can do that (:func:`writable_ops`).
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from executor import laid_out, span_bytes, writes_in_place
-from planner import LOCAL, PlanningGraph
-from planner.arena import ArenaPlan, plan_arena, select_placed
-from planner.remat import remat_replay
+from planner import Site
 from tracegraph import Trace
 
 
@@ -28,110 +25,30 @@ def iterations(ctx: tuple) -> tuple:
     return tuple((loop, it) for loop, _inst, it in ctx)
 
 
-def op_keys(places: Iterable[tuple[int, tuple]]) -> tuple[Hashable, ...]:
-    """Keys of a path's ops that hold across steps, (node id, loop iterations) per op index,
-    from where a walk over the graph placed them (the merge that added the path, or the
-    skeleton's cursor): computed once per path, when it is observed."""
-    return tuple((node_id, iterations(ctx)) for node_id, ctx in places)
-
-
-def storage_keys(trace: Trace, g: PlanningGraph, keys: tuple) -> dict[int, Hashable]:
-    """Keys of the storages a path allocates (storage id -> (node id, output, iterations)),
-    from its ``keys`` (:func:`op_keys`)."""
-    values = trace.values
-    out: dict[int, Hashable] = {}
-    for op in trace.ops:
-        node_id, its = keys[op.index]
-        for sid in g.ops[op.index].allocates:
-            k = next(i for i, v in enumerate(op.outputs) if values[v].storage == sid)
-            out[sid] = (node_id, k, its)
-    return out
+def sites(places: Iterable[tuple[int, tuple]]) -> tuple[Site, ...]:
+    """The :class:`planner.Site` of each op of a path (node id, loop iterations), from where a
+    walk over the graph placed it (the merge that added the path, or the skeleton's cursor):
+    computed once per path, when it is observed."""
+    return tuple(Site(node_id, iterations(ctx)) for node_id, ctx in places)
 
 
 # the skeleton sweeps for dead placeholders every SWEEP_EVERY submissions, so a value may
-# outlive its last tensor by that many ops: plans count it (arena and budget alike)
+# outlive its last tensor by that many ops when ops run as they are issued: plans count it
+# (planner.Settings.sweep_lag); blocks are swept when they close
 SWEEP_EVERY = 4
-
-
-def lagged(g: PlanningGraph) -> PlanningGraph:
-    """``g`` with every storage released :data:`SWEEP_EVERY` ops later: the skeleton learns
-    that a tensor is gone only when it next sweeps (coexec/skeleton.py, ``Session.sweep``), so
-    its value lives on until then, and a plan that reuses its bytes earlier finds them taken."""
-    n = len(g)
-    for s in g.storages.values():
-        if s.release is not None:
-            s.release = min(n - 1, s.release + SWEEP_EVERY)
-    return g
-
-
-def plan_program_arena(traces: Sequence[Trace], keys: Sequence[tuple]) -> ArenaPlan | None:
-    """The arena over every observed path for the storages ops will write in place. Each is
-    resident from its producer until the executor frees it, as a budget plan that drops nothing
-    has it (``remat_replay``'s segments): when the program let go of its last tensor (in the
-    trace) plus the sweep lag (:func:`lagged`), or its last use if later; not at its last use
-    alone, or the next op planned over its bytes would find them taken and use the allocator,
-    on top of the arena."""
-    paths, resident = [], []
-    for t, path_keys in zip(traces, keys):
-        g, placeable, segments = _prepared(t, path_keys)
-        paths.append((g, placeable))
-        resident.append(segments)
-    if not paths:
-        return None
-    # the arena is held whole: only what lowers the step's total goes in, an op's outputs
-    # together (storage keys are (node, output, iterations))
-    chosen = select_placed([(g, keys, r) for (g, keys), r in zip(paths, resident)], unit=lambda k: (k[0], k[2]))
-    paths = [(g, {sid: k for sid, k in keys.items() if k in chosen}) for g, keys in paths]
-    return plan_arena(paths, stretches=resident)
-
-
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> _prepared's
-
-
-def _prepared(trace: Trace, path_keys: tuple) -> tuple[PlanningGraph, dict, dict]:
-    """A path's planning graph, its placeable storages' keys and their residency, made once
-    per path: a program plans again over every path after each new one (read only after)."""
-    got = _PREPARED.get(trace)
-    if got is None or got[0] != path_keys:
-        g = lagged(PlanningGraph.from_trace(trace))
-        ok = placeable_storages(g, trace)
-        placeable = {sid: k for sid, k in storage_keys(trace, g, path_keys).items() if sid in ok}
-        got = (path_keys, g, placeable, remat_replay(g, list(range(len(g))), []).segments)
-        _PREPARED[trace] = got
-    return got[1:]
 
 
 _PROBED: dict = {}  # (func, attrs, input metas, output metas) -> probe_out_variant's answer
 
 
-def placeable_storages(g: PlanningGraph, trace: Trace) -> set[int]:
-    """Local storages the skeleton will ask the executor to write in place into the arena:
-    made by an op with an ``out=`` variant whose every output is a fresh storage
-    (coexec/skeleton.py, ``_arena_out``), and which writes them as planned: not known to lay
-    them out otherwise, and tried once per op key on stand-in values
-    (:func:`probe_out_variant`, run by :func:`probe_path` when the path was observed)."""
+def writable_ops(trace: Trace) -> frozenset:
+    """The ops of a path whose ``out=`` variant writes their outputs as the arena plans them:
+    every output fresh, and the variant, tried once per op key on stand-in values
+    (:func:`probe_out_variant`), lays them out as planned without resizing. On the step's
+    thread, when the path is observed: a probe forks the RNG and catches warnings, which are
+    process-wide, so planning (in the background, while steps run) only reads the answer."""
     values = trace.values
-    out = set()
-    for rec, op in zip(trace.ops, g.ops):
-        made = [values[v].storage for v in rec.outputs]
-        if not made or len(set(made)) != len(made) or not set(made) <= set(op.allocates):
-            continue
-        if not all(g.storages[sid].kind == LOCAL for sid in made):
-            continue
-        ov = out_variant(rec.func)
-        if ov is None or writes_in_place(ov[0]) is False:
-            continue
-        if _PROBED.get(_probe_key(rec, values), False):  # (not yet probed: not placed)
-            out.update(made)
-    return out
-
-
-def probe_path(trace: Trace) -> None:
-    """Try the ``out=`` variants of a path's ops that :func:`placeable_storages` will ask
-    about, once per op key. On the step's thread, when the path is observed: a probe forks the
-    RNG and catches warnings, which are process-wide, so planning (in the background, while
-    steps run) only reads the answers."""
-    values = trace.values
+    found = set()
     for rec in trace.ops:
         if not rec.outputs or any(a is not None for a in rec.out_alias[: rec.n_returned]):
             continue
@@ -141,6 +58,9 @@ def probe_path(trace: Trace) -> None:
         key = _probe_key(rec, values)
         if key not in _PROBED:
             _PROBED[key] = probe_out_variant(rec.func, rec.key.attrs, rec.key.metas, key[3])
+        if _PROBED[key]:
+            found.add(rec.index)
+    return frozenset(found)
 
 
 def _probe_key(rec: Any, values: list) -> tuple:

@@ -9,8 +9,7 @@ thread when it asked for the plan (:meth:`PlanProcess.encode`).
 
 The child (``python -m coexec.plan_process``) keeps every path's trace it was sent, so each
 trace crosses the pipe once; a trace the program lets go of is forgotten in the child with the
-next request. The answers of the ``out=`` probes the arena asks about (``coexec.arena``) are
-made on the step's thread and sent along. Ops are pickled by name (``aten::add.Tensor``), so
+next request. Ops are pickled by name (``aten::add.Tensor``), so
 the child needs no state of the training process. Anything that goes wrong with the child
 (it cannot start, dies, or a request cannot be pickled) raises :class:`PlanProcessError`; the
 planner then makes its plans in its own thread.
@@ -43,11 +42,10 @@ class PlanProcessError(RuntimeError):
 class Job:
     """One request as it crosses the pipe: traces by their id, only new ones in full."""
 
-    request: PlanRequest  # with traces=() and keys=()
+    request: PlanRequest  # with paths=()
     path_ids: tuple[int, ...]  # per path of the request, its trace's id
-    new_traces: dict[int, bytes]  # id -> (trace, its op keys) pickled, new to the child
+    new_paths: dict[int, bytes]  # id -> its PathInput pickled, new to the child
     forget: tuple[int, ...]  # ids of traces the training process let go of
-    probes: dict  # coexec.arena probe answers the child has not seen
 
 
 def _op(qualified: str, overload: str) -> Any:
@@ -99,20 +97,20 @@ class PlanProcess:
         self._next_id = 0
         self._forget: list[int] = []  # appended by finalizers, on any thread
         self._lock = threading.Lock()
-        self._probes_sent = 0
-        self._encoded: dict[int, bytes] = {}  # id(trace) -> (trace, keys) pickled: encode()
+        self._encoded: dict[int, bytes] = {}  # id(trace) -> its path pickled: encode()
 
-    def encode(self, trace: Any, keys: tuple) -> None:
+    def encode(self, path: Any) -> None:
         """Pickle a path for the child now, on the calling thread (the step's, which made the
         trace: ~4 us an op, a few percent of recording it). On the planner thread the same
         work took the GIL from whichever step ran next, often a co-executed one, and paths
         queued behind a plan went in one burst: up to 5x a REINFORCE program's median eager
         step (bench/planning_stall.py)."""
+        trace = path.trace
         key = id(trace)
         with self._lock:
             if key in self._ids or key in self._encoded:
                 return
-        payload = dumps((trace, keys))
+        payload = dumps(path)
         with self._lock:
             self._encoded[key] = payload
         weakref.finalize(trace, self._unencode, key, payload)
@@ -126,12 +124,11 @@ class PlanProcess:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def plan(self, req: PlanRequest, probes: dict) -> PlanResult:
-        """``req`` planned in the child; ``probes``: every probe answer made so far (those
-        not yet sent are sent)."""
+    def plan(self, req: PlanRequest) -> PlanResult:
+        """``req`` planned in the child."""
         try:
             proc = self.start()
-            job = self._job(req, probes)
+            job = self._job(req)
             _write(proc.stdin, dumps(job))
             answer = pickle.loads(_read(proc.stdout))
         except (OSError, EOFError, pickle.PickleError, TypeError, AttributeError) as e:
@@ -146,7 +143,6 @@ class PlanProcess:
         closes, at exit or if this process dies)."""
         proc, self._proc = self._proc, None
         self._ids.clear()
-        self._probes_sent = 0
         if proc is not None:
             for stream in (proc.stdin, proc.stdout):
                 try:
@@ -171,23 +167,21 @@ class PlanProcess:
         )  # fmt: skip
         return self._proc
 
-    def _job(self, req: PlanRequest, probes: dict) -> Job:
+    def _job(self, req: PlanRequest) -> Job:
         with self._lock:
             forget, self._forget = tuple(self._forget), []
         ids, new = [], {}
-        for trace, keys in zip(req.traces, req.keys):
-            key = id(trace)
+        for path in req.paths:
+            key = id(path.trace)
             if key not in self._ids:
                 self._ids[key] = self._next_id
                 with self._lock:
                     payload = self._encoded.pop(key, None)
-                new[self._next_id] = payload if payload is not None else dumps((trace, keys))
-                weakref.finalize(trace, self._gone, key, self._next_id)
+                new[self._next_id] = payload if payload is not None else dumps(path)
+                weakref.finalize(path.trace, self._gone, key, self._next_id)
                 self._next_id += 1
             ids.append(self._ids[key])
-        items = list(probes.items())
-        fresh, self._probes_sent = dict(items[self._probes_sent :]), len(items)
-        return Job(replace(req, traces=(), keys=()), tuple(ids), new, forget, fresh)
+        return Job(replace(req, paths=()), tuple(ids), new, forget)
 
     def _gone(self, key: int, tid: int) -> None:
         with self._lock:
@@ -198,9 +192,7 @@ class PlanProcess:
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
     """The child's loop: a job in, its plan out, until the training process closes the pipe."""
-    from . import arena
-
-    paths: dict[int, tuple[Any, tuple]] = {}  # id -> (trace, op keys)
+    paths: dict[int, Any] = {}  # id -> PathInput
     while True:
         try:
             job: Job = pickle.loads(_read(inp))
@@ -208,10 +200,8 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
             return
         for tid in job.forget:
             paths.pop(tid, None)
-        paths.update((tid, pickle.loads(payload)) for tid, payload in job.new_traces.items())
-        arena._PROBED.update(job.probes)
-        traces, keys = zip(*(paths[t] for t in job.path_ids)) if job.path_ids else ((), ())
-        req = replace(job.request, traces=tuple(traces), keys=tuple(keys))
+        paths.update((tid, pickle.loads(payload)) for tid, payload in job.new_paths.items())
+        req = replace(job.request, paths=tuple(paths[t] for t in job.path_ids))
         result = replace(make_plan(req), request=None, pid=os.getpid())
         try:
             payload = dumps(result)

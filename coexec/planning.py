@@ -8,8 +8,9 @@ or none (the allocator, in issue order). Under a memory budget a co-executed ste
 on a plan that has not seen every observed path: it waits for the plan (``debug`` says so).
 
 :func:`make_plan` is a pure function from a :class:`PlanRequest` to a :class:`PlanResult`:
-requests carry the paths' traces and their op keys (computed when each path was observed, on
-the step's thread: the TraceGraph is never read here, so steps may merge into it meanwhile).
+requests carry the paths (``planner.PathInput``: each trace with the site of each op and the
+ops the executor can write into the arena, found when the path was observed, on the step's
+thread: the TraceGraph is never read here, so steps may merge into it meanwhile).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from planner.remat import BudgetTooSmall
-from tracegraph import Trace
+from planner import BudgetTooSmall, InvalidPlan, PathInput, Schedule, Settings, plan_program
+
+from .arena import SWEEP_EVERY
 
 if TYPE_CHECKING:
     from .plan_process import PlanProcess
@@ -41,23 +43,21 @@ class PlanRequest:
     ``arena``); ``number`` orders a program's requests (a newer plan replaces an older one)."""
 
     number: int
-    traces: tuple[Trace, ...]
-    keys: tuple[tuple, ...]  # per path: coexec.arena.op_keys
+    paths: tuple[PathInput, ...]
     budget: int | None
     offload: bool | None
     arena: bool
-    bandwidth: Any = None  # planner.offload.Bandwidth when offloading (None: measured here)
+    bandwidth: Any = None  # planner.Bandwidth when offloading (None: measured here)
 
 
 @dataclass(frozen=True)
 class PlanResult:
-    """What planning a :class:`PlanRequest` gave: the plans, or why there are none."""
+    """What planning a :class:`PlanRequest` gave: the plan, or why there is none."""
 
     request: PlanRequest
-    arena_plan: Any = None  # planner.arena.ArenaPlan; None: steps allocate without an arena
-    budget_plan: Any = None  # coexec.budget.BudgetPlan (under a budget)
+    schedule: Schedule | None = None  # None: steps run unplanned (the allocator, issue order)
     budget_error: tuple | None = None  # BudgetTooSmall's arguments: no plan meets the budget
-    invalid: str | None = None  # the arena plan failed the simulator's validation: why
+    invalid: str | None = None  # the plan failed the simulator's validation: why
     error: BaseException | None = None  # planning itself failed (a bug: said, never hidden)
     seconds: float = 0.0
     pid: int | None = None  # the process that made it (coexec/plan_process.py), if not this one
@@ -68,37 +68,36 @@ class PlanResult:
 
 
 def make_plan(req: PlanRequest) -> PlanResult:
-    """The plans for ``req``: an arena over every path, or a budget plan (with its arena on a
-    CPU). Errors are results, not exceptions: they reach the step's thread with the plan."""
+    """The plan for ``req`` (``planner.plan_program``). Errors are results, not exceptions:
+    they reach the step's thread with the plan."""
     from executor import measure_bandwidth
-    from planner import InvalidPlan
 
-    from .arena import plan_program_arena
-    from .budget import plan_program_budget, step_device
+    from .budget import step_device
 
     t0 = time.perf_counter()
     try:
-        if req.budget is None:
-            try:
-                plan = plan_program_arena(req.traces, req.keys) if req.arena else None
-            except InvalidPlan as e:
-                return PlanResult(req, invalid=str(e), seconds=time.perf_counter() - t0)
-            return PlanResult(req, arena_plan=plan, seconds=time.perf_counter() - t0)
-        device = step_device(list(req.traces))
-        offload = device.type == "cuda" if req.offload is None else req.offload
-        bandwidth = (req.bandwidth or measure_bandwidth(device)) if offload else None
+        traces = [p.trace for p in req.paths]
+        device = step_device(traces)
+        bandwidth = None
+        if req.budget is not None:
+            offload = device.type == "cuda" if req.offload is None else req.offload
+            bandwidth = (req.bandwidth or measure_bandwidth(device)) if offload else None
+        settings = Settings(
+            budget=req.budget,
+            bandwidth=bandwidth,
+            # the arena on a GPU: not yet under a budget (docs/planner.md, Known limits)
+            arena=req.arena and (req.budget is None or device.type == "cpu"),
+            sweep_lag=SWEEP_EVERY,
+        )
         try:
-            budget_plan = plan_program_budget(
-                req.traces, req.keys, req.budget, bandwidth=bandwidth,
-                arena=req.arena and device.type == "cpu",
-            )  # fmt: skip
+            schedule = plan_program(req.paths, settings)
         except BudgetTooSmall as e:
             # kept as its arguments: the exception's traceback would keep frames alive
             error = (e.budget, e.smallest, e.detail)
             return PlanResult(req, budget_error=error, seconds=time.perf_counter() - t0)
-        seconds = time.perf_counter() - t0
-        arena = budget_plan.arena
-        return PlanResult(req, arena_plan=arena, budget_plan=budget_plan, seconds=seconds)
+        except InvalidPlan as e:
+            return PlanResult(req, invalid=str(e), seconds=time.perf_counter() - t0)
+        return PlanResult(req, schedule=schedule, seconds=time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001  (handed to the step's thread, which says so)
         return PlanResult(req, error=e, seconds=time.perf_counter() - t0)
 
@@ -149,9 +148,9 @@ class Planner:
         t0 = _cpu_seconds()
         if not self._in_process:
             child = self._child()
-            for trace, keys in zip(req.traces, req.keys):
+            for path in req.paths:
                 try:
-                    child.encode(trace, keys)
+                    child.encode(path)
                 except Exception:  # noqa: BLE001  (the planner thread tries again and says why)
                     break
         self._queue.put((future, req, _cpu_seconds() - t0))
@@ -239,12 +238,11 @@ class Planner:
     def _make(self, req: PlanRequest) -> PlanResult:
         """In the planning process if it works, else here (sharing the GIL with the steps:
         the switch interval is shortened so a step waits less for it)."""
-        from .arena import _PROBED
         from .plan_process import PlanProcessError
 
         if not self._in_process:
             try:
-                return self._child().plan(_measured(req), _PROBED.copy())
+                return self._child().plan(_measured(req))
             except PlanProcessError as e:
                 self._in_process = True
                 if self._closed:  # at exit: the process was stopped under this plan
@@ -270,9 +268,9 @@ def _measured(req: PlanRequest) -> PlanRequest:
 
     from .budget import step_device
 
-    if req.budget is None or req.bandwidth is not None or not req.traces:
+    if req.budget is None or req.bandwidth is not None or not req.paths:
         return req
-    device = step_device(list(req.traces))
+    device = step_device([p.trace for p in req.paths])
     offload = device.type == "cuda" if req.offload is None else req.offload
     return replace(req, bandwidth=measure_bandwidth(device)) if offload else req
 

@@ -22,8 +22,13 @@ from typing import Any
 import torch
 
 from executor import (
-    Drop, Executor, ExecutorError, Free, FreeRange, HostPool, Offload, ResetPeak, Restore, Run,
+    Drop, Executor, ExecutorError, Free, FreeRange, HostPool, Launch, Offload, Prefetch, ResetPeak,
+    Restore, Run, Wait,
 )  # fmt: skip
+from planner import Schedule, Site, StorageKey
+from planner import Drop as PlannedDrop
+from planner import Offload as PlannedOffload
+from planner import Prefetch as PlannedPrefetch
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
 from tracegraph.reasons import OTHER, FallbackReason
 from tracegraph.location import CODES
@@ -49,11 +54,19 @@ class Session:
     sweeps now and then, freeing the values whose tensors are gone.
     """
 
-    def __init__(self, executor: Executor, timeout: float, arena: Any = None, remat: Any = None) -> None:
+    def __init__(
+        self, executor: Executor, timeout: float, schedule: Schedule | None = None, arena: Any = None
+    ) -> None:
         self.executor = executor
         self.timeout = timeout
-        self.arena = arena  # (ArenaPlan, arena tensor) or None
-        self.remat = remat  # coexec.budget.BudgetPlan or None
+        self.schedule = schedule  # the plan in use (None: unplanned, ops run as issued)
+        self.arena = arena  # its arena tensor, or None
+        # under a memory budget: ops run as issued, with drops and moves after given sites;
+        # else, with a plan: block by block, each in its planned order (``blocks``)
+        remat = schedule if schedule is not None and schedule.budget is not None else None
+        self.remat = remat
+        self.blocks = schedule is not None and remat is None
+        self.block_sites: list[Site] = []  # the open block's ops (blocks mode)
         self.base = next(_session_ids) * _VID_SPACE
         # per placeholder: [current value id, weak ref to the Python object, to the C++ tensor]
         self.tracked: list[list] = []
@@ -64,7 +77,7 @@ class Session:
         if remat is not None and remat.host_bytes:
             executor.submit(HostPool(remat.host_bytes))
         self._until_sweep = SWEEP_EVERY  # plans count on values freed this promptly
-        executor.submit(ResetPeak(arena[1] if arena is not None else None))
+        executor.submit(ResetPeak(arena))
 
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
         ph = Placeholder(meta, self, vid)
@@ -89,6 +102,8 @@ class Session:
 
     def submit(self, ins: Any) -> int:
         position = self.executor.submit(ins)
+        if self.blocks:
+            return position  # swept when the block closes
         self._until_sweep -= 1
         if self._until_sweep <= 0:
             self._until_sweep = SWEEP_EVERY
@@ -97,8 +112,26 @@ class Session:
                 self.executor.submit(Free(dead))
         return position
 
+    def run_deferred(self, ins: Run, site: Site) -> int:
+        """Queue an op of the open block (blocks mode)."""
+        self.block_sites.append(site)
+        return self.executor.submit(ins)
+
+    def close_block(self) -> None:
+        """A sync point (planner.graph.sync_points): the executor runs the open block, in its
+        planned order when the schedule has this block (else as issued), after learning which
+        of the block's values Python let go of (they are freed after their last use)."""
+        if not self.block_sites:
+            return
+        dead = self.sweep()
+        if dead:
+            self.executor.submit(Free(dead))
+        key, self.block_sites = tuple(self.block_sites), []
+        self.executor.submit(Launch(self.schedule.order_of(key)))
+
     def wait(self, position: int) -> None:
         """Wait (as the skeleton) for the executor to reach ``position``."""
+        self.close_block()
         t0 = time.perf_counter()
         try:
             self.executor.wait(position, self.timeout)
@@ -119,17 +152,17 @@ class Session:
             ph._real = real
             return real
         position = self.produced_at.get(ph._vid)
-        if position is None or not self.open and self.executor.values.get(self.base + ph._vid) is None:
+        if position is None:
             raise ValueLostError(
                 "this tensor's value was never computed: the step that made it failed before "
                 "its op ran"
             )
         self.wait(position)
         vid = self.base + ph._vid
-        real = self.executor.values.get(vid)
+        real = self.executor.value(vid)
         if real is None and self.executor.away(vid):
             self.wait(self.executor.submit(Restore((vid,))))
-            real = self.executor.values.get(vid)
+            real = self.executor.value(vid)
         if real is None:
             raise ValueLostError("this tensor's value was never computed")
         ph._real = real
@@ -141,26 +174,26 @@ class Session:
         the session, so a kept one does not keep the step's bookkeeping alive."""
         if self.remat is not None and self.executor.away():
             self.wait(self.executor.submit(Restore(None, self.base, self.base + _VID_SPACE)))
-        values = self.executor.values
+        value = self.executor.value
         for entry in self.tracked:
             ph = entry[1]()
             if ph is not None:
                 if ph._real is None:
-                    ph._real = values.get(self.base + ph._vid)
+                    ph._real = value(self.base + ph._vid)
                 self.copy_out(ph)
                 if release:
                     ph._session = None
             elif not entry[2].expired() and entry[0] not in self.orphans:
                 # only C++ holds the tensor now (say, an autograd graph kept past the step):
                 # keep its value where the placeholder will look when it comes back
-                real = values.get(self.base + entry[0])
-                if real is not None and self.arena is not None and is_arena_backed(real, self.arena[1]):
+                real = value(self.base + entry[0])
+                if real is not None and self.arena is not None and is_arena_backed(real, self.arena):
                     real = real.clone()
                 self.orphans[entry[0]] = real
 
     def copy_out(self, ph: Placeholder) -> None:
         """Give ``ph`` its own copy if its value lives in the arena."""
-        if self.arena is not None and ph._real is not None and is_arena_backed(ph._real, self.arena[1]):
+        if self.arena is not None and ph._real is not None and is_arena_backed(ph._real, self.arena):
             ph._real = ph._real.clone()
 
     def close(self) -> None:
@@ -189,14 +222,13 @@ class Skeleton(Recorder):
         self.optimizers: list[Any] = []
         # rematerialization (session.remat): trace storage id -> storage key of the storages
         # the plan drops, trace values per storage, recipe ops not yet indexed, drops due
-        self._drop_sids: dict[int, Any] = {}
-        self._sid_of_key: dict[Any, int] = {}
+        self._drop_sids: dict[int, StorageKey] = {}
+        self._sid_of_key: dict[StorageKey, int] = {}
         self._by_storage: dict[int, list[int]] = {}
         self._indexed = 0
         self._new_recipes: list[tuple] = []
-        self._due: list[Any] = []
         self._new_parked: list[tuple] = []  # (op index, output slot, storage key) to offload
-        self._due_moves: list[tuple] = []  # (instruction class, storage key, host offset)
+        self._due: list[Any] = []  # planned instructions due after the op just issued
 
     def start(self, base: Any) -> None:
         self.trace.computed = False
@@ -247,36 +279,40 @@ class Skeleton(Recorder):
             if isinstance(x, Placeholder) and x._session is session and x._real is None
         ]
         ins_args, ins_kwargs, refs = _encode(args, kwargs, session)
+        its = iterations(self.cursor.placed[rec.index][1]) if session.schedule is not None else ()
         arena_out = None
         if session.arena is not None and not data_dependent and slots and all(x is None for x in slots):
-            arena_out = self._arena_out(func, node, rec, n_ret)
+            arena_out = self._arena_out(func, node, its, n_ret)
         recipe = False
         if remat is not None:
-            its = iterations(self.cursor.placed[rec.index][1])
             if not data_dependent and not moves and all(x is None for x in slots):
                 recipe = self._is_recipe(remat, node, rec, its, n_ret)
-            at = (node.id, its)
-            self._due.extend(remat.drop_after.get(at, ()))
-            for k, key in remat.parked_outputs.get(at, ()):
-                if k >= len(node.out_alias) or node.out_alias[k] is None:
-                    self._new_parked.append((rec.index, k, key))
-            self._due_moves.extend(remat.moves_after.get(at, ()))
-        position = session.submit(
-            Run(
-                func, ins_args, ins_kwargs, refs,
-                tuple(base + first + j for j in range(n_ret)),
-                tuple((base + x._vid, new) for x, new in moves),
-                rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(), recipe,
-                recipe and schema_of(func).random,
-            )
+            due = remat.after.get(Site(node.id, its))
+            if due:
+                self._due.extend(due)
+            if remat.parked:
+                for k in range(n_ret):
+                    key = StorageKey(node.id, k, its)
+                    if key in remat.parked and (k >= len(node.out_alias) or node.out_alias[k] is None):
+                        self._new_parked.append((rec.index, k, key))
+        run = Run(
+            func, ins_args, ins_kwargs, refs,
+            tuple(base + first + j for j in range(n_ret)),
+            tuple((base + x._vid, new) for x, new in moves),
+            rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(), recipe,
+            recipe and schema_of(func).random, session.blocks,
         )  # fmt: skip
-        if CODES.catches(rec.key.loc, self.base_lasti):
+        if session.blocks:
+            position = session.run_deferred(run, Site(node.id, its))
+        else:
+            position = session.submit(run)
+        if rec.index in self.trace.in_try:
             self._run_now(position, rec)
         for x, new in moves:
             session.retarget(x, new - base, position)
         if data_dependent:  # Python needs the result (or its shape) now: a fetch
             session.wait(position)
-            return session.executor.results.pop(rec.index), None
+            return session.executor.take_result(rec.index), None
 
         metas = node.out_metas
         made = [
@@ -324,15 +360,15 @@ class Skeleton(Recorder):
         raise cause.with_traceback(None)
 
     # -- rematerialization ---------------------------------------------------------------
-    def _is_recipe(self, remat: Any, node: Any, rec: OpRecord, its: tuple, n_ret: int) -> bool:
+    def _is_recipe(self, remat: Schedule, node: Any, rec: OpRecord, its: tuple, n_ret: int) -> bool:
         """Does the op make (or view) a storage the plan drops? Then the executor keeps it."""
         values = self.trace.values
         fresh = []
         for k in range(n_ret):
             alias = node.out_alias[k] if k < len(node.out_alias) else None
             if alias is None:
-                key = (node.id, k, its)
-                if key in remat.recipe_keys:
+                key = StorageKey(node.id, k, its)
+                if key in remat.recompute:
                     fresh.append((k, key))
             elif alias < len(rec.inputs) and values[rec.inputs[alias]].storage in self._drop_sids:
                 return True
@@ -360,25 +396,28 @@ class Skeleton(Recorder):
         for index, k, key in self._new_parked:
             self._sid_of_key[key] = values[trace.ops[index].outputs[k]].storage
         self._new_parked.clear()
-        for kind, key, offset in self._due_moves:
-            sid = self._sid_of_key.get(key)
-            if sid is not None:
-                vids = tuple(self.session.base + v for v in by_storage.get(sid, ()))
-                self.session.submit(Offload(vids, offset) if kind is Offload else kind(vids))
-        self._due_moves.clear()
-        if self._due:
-            base = self.session.base
-            vids = tuple(
-                base + v
-                for key in self._due
-                if (sid := self._sid_of_key.get(key)) is not None
-                for v in by_storage.get(sid, ())
-            )
-            self._due.clear()
-            if vids:
-                self.session.submit(Drop(vids))
+        if not self._due:
+            return
+        base, session = self.session.base, self.session
+        dropped: list[int] = []
+        for planned in self._due:  # moves, then drops (planner.schedule.Schedule.after)
+            sid = self._sid_of_key.get(planned.storage)
+            if sid is None:
+                continue
+            vids = tuple(base + v for v in by_storage.get(sid, ()))
+            if type(planned) is PlannedDrop:
+                dropped.extend(vids)
+            elif type(planned) is PlannedOffload:
+                session.submit(Offload(vids, planned.host_offset))
+            elif type(planned) is PlannedPrefetch:
+                session.submit(Prefetch(vids))
+            else:
+                session.submit(Wait(vids))
+        self._due.clear()
+        if dropped:
+            session.submit(Drop(tuple(dropped)))
 
-    def _arena_out(self, func: Any, node: Any, rec: OpRecord, n_ret: int) -> tuple | None:
+    def _arena_out(self, func: Any, node: Any, its: tuple, n_ret: int) -> tuple | None:
         """Where the planned arena wants this op's outputs: all of them fresh, planned, and
         the op has an ``out=`` variant; else None (the allocator)."""
         if n_ret == 0 or len(node.out_struct) != n_ret or any(a is not None for a in node.out_alias[:n_ret]):
@@ -386,11 +425,10 @@ class Skeleton(Recorder):
         ov = out_variant(func)
         if ov is None:
             return None
-        plan = self.session.arena[0]
-        its = iterations(self.cursor.placed[rec.index][1])
+        offsets = self.session.schedule.offsets
         outs = []
         for k in range(n_ret):
-            offset = plan.offsets.get((node.id, k, its))
+            offset = offsets.get(StorageKey(node.id, k, its))
             if offset is None:
                 return None
             meta = node.out_metas[k]
@@ -408,6 +446,7 @@ class Skeleton(Recorder):
     def on_fetch(self, kind: str, t: Any, loc: Any) -> None:
         super().on_fetch(kind, t, loc)
         if not self.eager:
+            self.session.close_block()  # every fetch is a sync point, waiting or not
             try:
                 self.cursor.fetch(self.trace.fetches[-1])
             except NotCovered as e:

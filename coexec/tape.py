@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from executor import ExecutorDied, ExecutorError, ExecutorTimeout
-from planner.remat import BudgetTooSmall, format_bytes
+from planner import BudgetTooSmall, PathInput, Schedule, format_bytes, plan_program
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
 from tracegraph.reasons import FallbackReason, why_new
 
 from . import observe, programs, runtime
-from .arena import iterations, op_keys, probe_path
+from .arena import iterations, sites, writable_ops
 from .causes import max_traces_message
 from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
@@ -67,9 +67,11 @@ class TapeStats:
     executor_seconds: float = 0.0
     last_ops: int = 0  # ATen ops in the latest step
     # device memory of the latest co-executed step: persistent state plus the executor's
-    # peak of live bytes (measured), and the plan's prediction for it (with a budget)
+    # peak of live bytes, the arena counted whole (measured), and the plan's prediction for
+    # the path it took (None: no plan, or a path no plan has seen yet)
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
+    planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
     offloaded_storages: int = 0  # storages parked on the host in the latest step
     copy_wait_seconds: float = 0.0  # of the latest step: the executor waiting for copies
@@ -100,11 +102,9 @@ class Program:
         self.graph = TraceGraph()
         self.stats = TapeStats()
         self.capped = False
-        self.paths: list = []  # traces that added to the graph: the observed paths
-        self.path_keys: list[tuple] = []  # per path, its op keys (coexec.arena.op_keys)
-        self.arena_plan = None  # planner.arena.ArenaPlan over (some of) self.paths
-        self.arena: torch.Tensor | None = None
-        self.budget_plan = None  # coexec.budget.BudgetPlan for self.budget
+        self.paths: list[PathInput] = []  # the observed paths, as the planner takes them
+        self.schedule: Schedule | None = None  # the plan in use (None: unplanned, issue order)
+        self.arena: torch.Tensor | None = None  # its arena, allocated whole
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
@@ -119,11 +119,10 @@ class Program:
         self.reasons: list[tuple[int, FallbackReason]] = []  # the latest REASONS, with steps
 
     # -- plans (made in the background: coexec/planning.py) ------------------------------
-    def add_path(self, trace: Any, keys: tuple) -> None:
-        """A path observed: its trace and op keys, and the probes planning will ask about."""
-        self.paths.append(trace)
-        self.path_keys.append(keys)
-        probe_path(trace)
+    def add_path(self, trace: Any, path_sites: tuple) -> None:
+        """A path observed: its trace, the site of each op, and which ops can write into the
+        arena (probed now, on the step's thread)."""
+        self.paths.append(PathInput(trace, path_sites, writable_ops(trace)))
 
     def request_plan(self, budget: int | None, offload: bool | None, arena: bool) -> str | None:
         """Ask for plans over every observed path: to the budget if there is one, with
@@ -134,13 +133,13 @@ class Program:
         settings = (budget, offload, arena)
         if settings != (self.budget, self.offload, self.use_arena):
             self.budget, self.offload, self.use_arena = settings
-            self.budget_plan, self.budget_error, self.plan_failure = None, None, None
+            self.budget_error, self.plan_failure = None, None
             self.stats.planned_paths = 0
-            self._use_arena_plan(None)
+            self._use_schedule(None)
         self.requested += 1
         if self.latest is not None:
             self.latest.cancel()  # still queued: never made (its paths are in this request)
-        req = PlanRequest(self.requested, tuple(self.paths), tuple(self.path_keys), *settings)
+        req = PlanRequest(self.requested, tuple(self.paths), *settings)
         if not self.paths or (budget is None and not arena):
             self.latest = None
             self._install(PlanResult(req))
@@ -191,15 +190,15 @@ class Program:
         """Use ``result``'s plans from the next step on; a plan that failed is said, never
         used: without a budget the steps run without an arena, under one they cannot run."""
         req = result.request
-        self.installed, self.stats.planned_paths = req.number, len(req.traces)
+        self.installed, self.stats.planned_paths = req.number, len(req.paths)
         self.plan_pid = result.pid
-        self.budget_plan, self.budget_error = result.budget_plan, result.budget_error
+        self.budget_error = result.budget_error
         self.plan_failure = None
         where = f"the step at {self.where}"
         if result.invalid is not None:
             warnings.warn(
-                f"coexec: the arena plan for {where} failed validation ({result.invalid}); "
-                "its steps allocate without an arena",
+                f"coexec: the plan for {where} failed validation ({result.invalid}); "
+                "its steps run unplanned",
                 RuntimeWarning,
                 stacklevel=5,
             )
@@ -209,17 +208,15 @@ class Program:
                 self.plan_failure = f"{type(e).__name__}: {e}"
             else:
                 warnings.warn(
-                    f"coexec: planning the arena for {where} failed ({type(e).__name__}: {e}); "
-                    "its steps allocate without an arena",
+                    f"coexec: planning the step at {where} failed ({type(e).__name__}: {e}); "
+                    "its steps run unplanned",
                     RuntimeWarning,
                     stacklevel=5,
                 )
-        self._use_arena_plan(result.arena_plan)
-        line = f"plan of {len(req.traces)} path(s) ready after {result.seconds:.2f} s"
-        if result.budget_plan is not None:
-            line += f": {result.budget_plan.summary()}"
-        elif result.arena_plan is not None:
-            line += f": arena {format_bytes(result.arena_plan.arena_bytes)}"
+        self._use_schedule(result.schedule)
+        line = f"plan of {len(req.paths)} path(s) ready after {result.seconds:.2f} s"
+        if result.schedule is not None:
+            line += f": {result.schedule.summary()}"
         elif result.budget_error is not None:
             line += f": {BudgetTooSmall(*result.budget_error)}"
         return line
@@ -233,17 +230,18 @@ class Program:
             f.cancel()
         self.futures, self.latest = [], None
         self.graph = TraceGraph()
-        self.paths, self.path_keys = [], []
-        self.arena_plan, self.arena, self.budget_plan = None, None, None
+        self.paths = []
+        self.schedule, self.arena = None, None
         self.params = {}
 
-    def _use_arena_plan(self, plan: Any) -> None:
-        """The arena, allocated once up front at exactly the planned size (it counts whole)."""
-        self.arena_plan = plan
-        if plan is None or plan.arena_bytes == 0:
+    def _use_schedule(self, schedule: Schedule | None) -> None:
+        """The plan from the next step on, with its arena, allocated once up front at exactly
+        the planned size (it counts whole)."""
+        self.schedule = schedule
+        if schedule is None or schedule.arena_bytes == 0:
             self.arena = None
-        elif self.arena is None or self.arena.numel() != plan.arena_bytes:
-            self.arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+        elif self.arena is None or self.arena.numel() != schedule.arena_bytes:
+            self.arena = torch.empty(schedule.arena_bytes, dtype=torch.uint8)
 
 
 _programs = programs._families  # ``with`` location (or ("key", key)) -> its programs
@@ -463,36 +461,35 @@ class GradientTape:
         s = self._program.stats
         return replace(s, seconds=dict(s.seconds))
 
-    def report(self, optimize_seconds: float = 10.0) -> list[dict]:
-        """Memory of the program's observed paths (one dict per path, DESIGN.md §6): the peak
-        of live bytes in issue order (what eager holds when it frees at last use), the planned
-        peak of the best order found (``planner.plan_graph``, time-limited per path), the arena
-        the co-executed steps use and its fragmentation, solve time and gap."""
-        from planner import PlanningGraph, plan_graph
-
+    def report(self) -> list[dict]:
+        """Memory of the program's observed paths, one dict per path (DESIGN.md §6), as the
+        simulator measures the plan in use: eager PyTorch's peak (issue order, each storage
+        freed when the program let go of it), the planned peak (the planned order, persistent
+        state and the whole arena included), the arena and its fragmentation, the blocks run
+        in a planned order, the predicted step time. Without a plan in use (``arena=False``, or
+        before the first one arrives), the paths are planned now, without a budget."""
         program = self._program
-        if program is None:
+        if program is None or not program.paths:
             return []
-        arena = program.arena_plan
-        out = []
-        for i, trace in enumerate(program.paths):
-            plan = plan_graph(PlanningGraph.from_trace(trace), time_limit=optimize_seconds)
-            row = {
+        schedule = program.schedule
+        if schedule is None or len(schedule.paths) != len(program.paths):
+            schedule = plan_program(program.paths)
+        return [
+            {
                 "path": i,
-                "ops": len(trace.ops),
-                "issue-order peak": plan.eager_order_peak,
-                "planned peak": plan.peak,
-                "planned arena": plan.arena_bytes,
-                "planned fragmentation": plan.fragmentation,
-                "order": plan.order_result.method,
-                "order gap": plan.order_result.gap,
-                "solve seconds": plan.seconds,
+                "ops": p.ops,
+                "eager peak": p.eager_peak,
+                "planned peak": p.planned_peak,
+                "arena": schedule.arena_bytes,
+                "arena used by this path": p.arena_end,
+                "fragmentation": schedule.fragmentation,
+                "planned blocks": p.blocks,
+                "predicted seconds": p.predicted_seconds,
+                "recomputed": p.recomputed,
+                "offloaded": p.offloaded,
             }
-            if arena is not None:
-                row["executed arena"] = arena.arena_bytes
-                row["executed arena fragmentation"] = arena.fragmentation
-            out.append(row)
-        return out
+            for i, p in enumerate(schedule.paths)
+        ]
 
     @property
     def graph(self) -> TraceGraph | None:
@@ -557,18 +554,13 @@ class _Step:
             if ex.error is not None or not ex.alive:
                 ex.reset()
             self.session = self._new_session(program)
-            self.busy0 = ex.busy_seconds
-            self.recomputed0 = ex.recipes.recomputed
-            self.offloads0 = (ex.offloads.offloaded, ex.offloads.wait_seconds)
+            self.ex0 = ex.stats()
             self.rec = _ProgramSkeleton(program.graph, self.session)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
 
     def _new_session(self, program: Program) -> Session:
-        tape = self.tape
-        use = tape.arena and program.arena is not None
-        arena = (program.arena_plan, program.arena) if use else None
-        return Session(runtime.executor(), tape.timeout, arena, program.budget_plan)
+        return Session(runtime.executor(), self.tape.timeout, program.schedule, program.arena)
 
     # -- which program (coexec/programs.py) -------------------------------------------------
     def meet_parameter(self, t: torch.Tensor) -> None:
@@ -670,6 +662,7 @@ class _Step:
                 raise
             self._settle(session, leaves, sk.optimizers)
         else:
+            session.close_block()  # the executor runs on past the step
             runtime.open_sessions.append((session, leaves, sk.optimizers))
         stats = self.program.stats
         if sk.eager and (self.quiet or stats.phase == "eager"):
@@ -686,18 +679,18 @@ class _Step:
             stats.coexec_steps += 1
             if not covered:
                 self._merge(sk.trace, fell_back=False, why=sk.end_reason)
-            elif self.program.budget_plan is not None:
-                self._check_budget(sk)
+            elif self.session.schedule is not None:
+                self._check_plan(sk)
 
-    def _check_budget(self, sk: Skeleton) -> None:
+    def _check_plan(self, sk: Skeleton) -> None:
         """A covered step may still take a path no plan has seen (a loop running more
         iterations than any traced step), or make tensors of other sizes than the traced
-        steps did (data-dependent shapes): say so if it went over, and plan a new path."""
-        from .budget import path_signature
-
+        steps did (data-dependent shapes): under a budget, say so if it went over; plan a new
+        path."""
         program, stats = self.program, self.program.stats
-        planned = path_signature(sk.cursor.placed, iterations) in program.budget_plan.signatures
-        if stats.peak_bytes > program.budget:
+        signature = self.signature
+        planned = signature in self.session.schedule.signatures
+        if program.budget is not None and stats.peak_bytes > program.budget:
             stats.over_budget_steps += 1
             why = (
                 "took a path no plan had seen yet (it is planned now)"
@@ -711,24 +704,33 @@ class _Step:
                 stacklevel=4,
             )
         if not planned:
-            program.add_path(sk.trace, path_signature(sk.cursor.placed, iterations))
+            program.add_path(sk.trace, signature)
             self._log(program.request_plan(program.budget, program.offload, program.use_arena))
+
+    @property
+    def signature(self) -> tuple:
+        """The sites of the co-executed step's ops, in order (a planned path's, if it took one)."""
+        from .budget import path_signature
+
+        return path_signature(self.rec.cursor.placed, iterations)
 
     def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
         """Bind the step's placeholders, give persistent state its real tensors, and let the
         executor forget the step; a broken executor (dead, stuck, failed) is replaced."""
         stats = self.program.stats
         stats.stall_seconds += session.stall_seconds
-        stats.executor_seconds += max(0.0, session.executor.busy_seconds - self.busy0)
         session.bind_all()
         ex = session.executor
-        stats.peak_bytes = ex.memory.peak + _persistent_bytes(self.rec.trace)
-        plan = self.program.budget_plan
-        stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
-        stats.recomputed_ops = ex.recipes.recomputed - self.recomputed0
-        stats.offloaded_storages = ex.offloads.offloaded - self.offloads0[0]
-        stats.copy_wait_seconds = ex.offloads.wait_seconds - self.offloads0[1]
+        now, before = ex.stats(), self.ex0
+        stats.executor_seconds += max(0.0, now.busy_seconds - before.busy_seconds)
+        stats.peak_bytes = now.peak_bytes + _persistent_bytes(self.rec.trace)
+        stats.recomputed_ops = now.recomputed - before.recomputed
+        stats.offloaded_storages = now.offloaded - before.offloaded
+        stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
+        stats.planned_blocks = now.blocks - before.blocks
         stats.step_seconds = time.perf_counter() - self.t0
+        plan = session.schedule.path_plan(self.signature) if session.schedule is not None else None
+        stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
         stats.planned_step_seconds = plan.predicted_seconds if plan is not None else None
         runtime.unescape(leaves, optimizers)
         ex = session.executor
@@ -749,7 +751,7 @@ class _Step:
         added = merged.changed
         stats.traces += added
         if added:
-            program.add_path(trace, op_keys(merged.places))
+            program.add_path(trace, sites(merged.places))
             tape = self.tape
             self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
         if stats.phase == "tracing" and not added:

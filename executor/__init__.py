@@ -1,17 +1,24 @@
 """Background execution of the ops the co-execution skeleton confirms (DESIGN.md §2, §5).
 
-``Executor`` runs a stream of instructions on its own thread without autograd: it computes
-each op on real tensors, keeps the values the skeleton still refers to, and reports errors and
-progress back. It knows nothing of graphs or Python programs; ``coexec`` drives it.
+``Executor`` runs a stream of instructions (a closed set, :data:`Instruction`) on its own
+thread without autograd: it computes each op on real tensors, as it arrives or a block at a
+time in the block's planned order (a ``planner.schedule.Block``, the only planner type it
+reads), keeps the values the skeleton still refers to, and reports errors, progress and a
+:class:`ExecutorStats` snapshot back. It knows nothing of graphs or Python programs;
+``coexec`` drives it.
 """
 
 from .memory import LiveBytes, ResetPeak, laid_out, span_bytes
 from .offload import HostPool, Offload, Prefetch, Wait, measure_bandwidth
 from .remat import Drop, Restore
-from .stream import Executor, ExecutorDied, ExecutorError, ExecutorTimeout, Free, FreeRange, Run, writes_in_place
+from .stream import (
+    Executor, ExecutorDied, ExecutorError, ExecutorStats, ExecutorTimeout, Free, FreeRange,
+    Instruction, Launch, Run, writes_in_place,
+)  # fmt: skip
 
 __all__ = [
-    "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorTimeout", "Free", "FreeRange",
-    "HostPool", "LiveBytes", "Offload", "Prefetch", "ResetPeak", "Restore", "Run", "Wait",
-    "laid_out", "measure_bandwidth", "span_bytes", "writes_in_place",
+    "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorStats", "ExecutorTimeout",
+    "Free", "FreeRange", "HostPool", "Instruction", "Launch", "LiveBytes", "Offload", "Prefetch",
+    "ResetPeak", "Restore", "Run", "Wait", "laid_out", "measure_bandwidth", "span_bytes",
+    "writes_in_place",
 ]  # fmt: skip

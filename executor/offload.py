@@ -254,7 +254,7 @@ _MEASURED: dict[str, Any] = {}
 def measure_bandwidth(device: torch.device | str, nbytes: int = 32 << 20):
     """The copy channel's bandwidth each way on this machine (``planner.offload.Bandwidth``),
     measured once per device and process: the median of a few copies of ``nbytes``."""
-    from planner.offload import Bandwidth
+    from planner.schedule import Bandwidth
 
     device = torch.device(device)
     key = str(device)

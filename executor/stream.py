@@ -1,10 +1,18 @@
-"""The executor thread: runs confirmed ops in order, off the Python skeleton's thread.
+"""The executor thread: runs confirmed ops off the Python skeleton's thread.
 
-The skeleton submits :class:`Run` instructions (an ATen op with its arguments, placeholders
-replaced by value ids) and :class:`Free` instructions (a value no one can use any more). The
-executor runs them in submission order, so a fetch never waits for a feed that comes later
-(DESIGN.md §4, "Deadlock"): every op it runs has been matched by the skeleton, so persistent
-state is only mutated by confirmed ops.
+The skeleton submits instructions, a closed set (:data:`Instruction`): :class:`Run` (an ATen
+op with its arguments, placeholders replaced by value ids), :class:`Free` (Python let go of
+these values), :class:`FreeRange` (a finished step), :class:`Launch` (run the block of
+deferred ops just submitted), and the memory plan's own (``ResetPeak``, ``HostPool``,
+``Offload``/``Wait``/``Prefetch``, ``Drop``/``Restore``). Each type has one handler.
+
+Ops run either as they arrive, in submission order, or, when the skeleton defers them, a
+whole block at a time at its :class:`Launch`, in the block's planned order (a
+``planner.schedule.Block``: a permutation of the block that keeps every dependency). Either
+way only ops the skeleton confirmed run, so persistent state is only mutated by confirmed
+ops, and a fetch never waits for a feed that comes later (DESIGN.md §4, "Deadlock"): a wait
+always launches the open block first. A value Python let go of is freed when no op of the
+open block still reads it: after its last use in the planned order.
 
 Waiting is cheap on the executor side: after each instruction it compares its progress with
 the one position someone waits for, and only then signals.
@@ -17,9 +25,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
+
+from planner.schedule import Block
 
 from .memory import LiveBytes, ResetPeak, laid_out, span_bytes
 from .offload import HostPool, Offload, Offloads, Prefetch, Wait
@@ -69,6 +79,15 @@ class Run:
     grad_mode: bool = True  # grad mode when the op was issued: some kernels consult it
     recipe: bool = False  # keep it to recompute its outputs after a Drop (executor/remat.py)
     random: bool = False  # a random op: a recipe keeps the RNG state it ran with
+    deferred: bool = False  # held until the block's Launch, then run in its planned order
+
+
+@dataclass(slots=True)
+class Launch:
+    """Run the deferred ops submitted since the last launch: in ``block.order`` when it is a
+    plan for exactly these ops, else in submission order."""
+
+    block: Block | None = None
 
 
 @dataclass(slots=True)
@@ -90,6 +109,27 @@ class _Fault:
 
     kind: str
     release: threading.Event = field(default_factory=threading.Event)
+
+
+Instruction = Union[
+    Run, Free, FreeRange, Launch, ResetPeak, HostPool, Offload, Wait, Prefetch, Drop, Restore, _Fault
+]
+
+
+@dataclass(frozen=True)
+class ExecutorStats:
+    """A snapshot of what the executor has done (counters since it started)."""
+
+    submitted: int
+    done: int
+    busy_seconds: float
+    peak_bytes: int  # the most live bytes since the step began (ResetPeak), arena whole
+    arena_hits: int  # op results written into the arena
+    arena_misses: int  # planned arena outputs whose bytes were taken: from the allocator
+    blocks: int  # blocks run in a planned order
+    recomputed: int  # ops run again (memory budget)
+    offloaded: int  # storages parked on the host
+    copy_wait_seconds: float  # waiting for copies to land
 
 
 _STOP = object()
@@ -128,6 +168,21 @@ class _Worker:
         self.offloads = Offloads(self.values, self.memory)
         self.want: int | None = None
         self.event = threading.Event()
+        # the open block: deferred runs, instructions taken meanwhile (counted done at the
+        # launch), per value the deferred runs that read it, values they make, values Python
+        # let go of while a deferred run still needs them (freed after the last one)
+        self.block: list[Run] = []
+        self.held = 0
+        self.pending: dict[int, int] = {}
+        self.future: set[int] = set()
+        self.released: set[int] = set()
+        self.blocks = 0
+        self.handlers = {
+            Run: self._on_run, Free: self._on_free, FreeRange: self._on_free_range,
+            Launch: self._on_launch, Drop: self._on_drop, Offload: self._on_offload,
+            Wait: self._on_wait, Prefetch: self._on_prefetch, HostPool: self._on_host_pool,
+            ResetPeak: self._on_reset_peak, Restore: self._on_restore, _Fault: self._on_fault,
+        }  # fmt: skip
         threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self.loop, args=(threads,), name=name, daemon=True)
         self.thread.start()
@@ -146,54 +201,124 @@ class _Worker:
 
     def _serve(self, threads: int) -> None:
         q = self.q
-        values = self.values
+        handlers = self.handlers
         while True:
             ins = q.get()
             if ins is _STOP:
                 return
             t0 = time.perf_counter()
-            if type(ins) is Run:
-                if self.error is None:
-                    self.run(ins, values)
-            elif type(ins) is Free:
-                recipes = self.recipes
-                for v in ins.vids:
-                    if not (recipes and recipes.holds(v)):
-                        self.free_value(v)
-            elif type(ins) is FreeRange:
-                for v in [v for v in values if ins.lo <= v < ins.hi]:
-                    self.memory.remove(values.pop(v))
-                self.recipes.clear_range(ins.lo, ins.hi)
-                self.offloads.clear_range(ins.lo, ins.hi)
-            elif type(ins) is Drop:
-                self.recipes.drop(ins.vids)
-            elif type(ins) is Offload:
-                self.offloads.offload(ins)
-            elif type(ins) is Wait:
-                self.offloads.wait_out(ins)
-            elif type(ins) is Prefetch:
-                if self.error is None:
-                    self.offloads.prefetch(ins)
-            elif type(ins) is HostPool:
-                self.offloads.size_pool(ins.nbytes, torch.cuda.is_available())
-            elif type(ins) is ResetPeak:
-                self.memory.attach(ins.arena)
-                self.memory.reset_peak()
-            elif type(ins) is Restore:
-                if self.error is None:
-                    self.restore(ins)
-            elif type(ins) is _Fault:
-                if ins.kind == "die":
-                    return  # the thread ends with work pending, as a crash would
-                if ins.kind == "hang":
-                    ins.release.wait(3600)
-                elif ins.kind == "raise":
-                    self.error = ExecutorError("injected fault")
+            if handlers[type(ins)](ins) is _STOP:
+                return  # (a test's fault: the thread ends with work pending, as a crash would)
             self.busy_seconds += time.perf_counter() - t0
-            self.done += 1
+            if self.block:
+                self.held += 1  # done when the block is: a wait launches it first
+                continue
+            self.done += 1 + self.held
+            self.held = 0
             w = self.want
             if w is not None and self.done >= w:
                 self.event.set()
+
+    # -- handlers (one per instruction type) ---------------------------------------------
+    def _on_run(self, ins: Run) -> None:
+        if ins.deferred:
+            self._defer(ins)
+        elif self.error is None:
+            self.run(ins, self.values)
+
+    def _on_free(self, ins: Free) -> None:
+        recipes = self.recipes
+        for v in ins.vids:
+            if v in self.future or self.pending.get(v):
+                self.released.add(v)  # a deferred run still makes or reads it
+            elif not (recipes and recipes.holds(v)):
+                self.free_value(v)
+
+    def _on_free_range(self, ins: FreeRange) -> None:
+        if self.block:
+            self._on_launch(Launch())
+        values = self.values
+        for v in [v for v in values if ins.lo <= v < ins.hi]:
+            self.memory.remove(values.pop(v))
+        self.recipes.clear_range(ins.lo, ins.hi)
+        self.offloads.clear_range(ins.lo, ins.hi)
+        self.released = {v for v in self.released if not ins.lo <= v < ins.hi}
+
+    def _on_launch(self, ins: Launch) -> None:
+        block, self.block = self.block, []
+        order = ins.block.order if ins.block is not None else ()
+        if len(order) == len(block):
+            block = [block[k] for k in order]
+            self.blocks += 1
+        values = self.values
+        for run in block:
+            if self.error is None:
+                self.run(run, values)
+            self._retire(run)
+
+    def _on_drop(self, ins: Drop) -> None:
+        self.recipes.drop(ins.vids)
+
+    def _on_offload(self, ins: Offload) -> None:
+        self.offloads.offload(ins)
+
+    def _on_wait(self, ins: Wait) -> None:
+        self.offloads.wait_out(ins)
+
+    def _on_prefetch(self, ins: Prefetch) -> None:
+        if self.error is None:
+            self.offloads.prefetch(ins)
+
+    def _on_host_pool(self, ins: HostPool) -> None:
+        self.offloads.size_pool(ins.nbytes, torch.cuda.is_available())
+
+    def _on_reset_peak(self, ins: ResetPeak) -> None:
+        self.memory.attach(ins.arena)
+        self.memory.reset_peak()
+
+    def _on_restore(self, ins: Restore) -> None:
+        if self.error is None:
+            self.restore(ins)
+
+    def _on_fault(self, ins: _Fault) -> Any:
+        if ins.kind == "die":
+            return _STOP
+        if ins.kind == "hang":
+            ins.release.wait(3600)
+        elif ins.kind == "raise":
+            self.error = ExecutorError("injected fault")
+        return None
+
+    # -- the open block ------------------------------------------------------------------
+    def _defer(self, ins: Run) -> None:
+        self.block.append(ins)
+        pending = self.pending
+        for _arg, _item, vid in ins.refs:
+            pending[vid] = pending.get(vid, 0) + 1
+        for old, new in ins.moves:
+            pending[old] = pending.get(old, 0) + 1
+            self.future.add(new)
+        self.future.update(ins.outs)
+
+    def _retire(self, ins: Run) -> None:
+        """A deferred run ran (or was skipped after an error): the values it read or made
+        that Python let go of and nothing else pending needs are freed."""
+        pending, released, future = self.pending, self.released, self.future
+        done = [vid for _arg, _item, vid in ins.refs] + [old for old, _new in ins.moves]
+        for vid in done:
+            left = pending[vid] - 1
+            if left:
+                pending[vid] = left
+            else:
+                del pending[vid]
+        for vid in (*ins.outs, *(new for _old, new in ins.moves)):
+            future.discard(vid)
+            done.append(vid)
+        for vid in done:
+            if vid in released and not pending.get(vid) and vid not in future:
+                released.discard(vid)
+                if not (self.recipes and self.recipes.holds(vid)):
+                    self.free_value(vid)
 
     def free_value(self, vid: int) -> None:
         t = self.values.pop(vid, None)
@@ -374,19 +499,28 @@ class Executor:
     def __init__(self, name: str = "coexec-executor") -> None:
         self.name = name
         self._w = _Worker(name)
+        self._open = 0  # position of the first deferred run not yet launched (0: none)
 
-    # the current worker's state
-    values = property(lambda self: self._w.values)
-    results = property(lambda self: self._w.results)
-    submitted = property(lambda self: self._w.submitted)
-    done = property(lambda self: self._w.done)
+    # the current worker's state (read after a wait, or as a snapshot)
     error = property(lambda self: self._w.error)
-    busy_seconds = property(lambda self: self._w.busy_seconds)
-    arena_misses = property(lambda self: self._w.arena_misses)
-    arena_hits = property(lambda self: self._w.arena_hits)
-    memory = property(lambda self: self._w.memory)  # LiveBytes of the value table
-    recipes = property(lambda self: self._w.recipes)
-    offloads = property(lambda self: self._w.offloads)
+    submitted = property(lambda self: self._w.submitted)
+
+    def value(self, vid: int) -> Any:
+        """The tensor of value ``vid`` (None if it is not in the table); after a wait."""
+        return self._w.values.get(vid)
+
+    def take_result(self, op_index: int) -> Any:
+        """The Python result of a data-dependent op (``keep_result``), after waiting for it."""
+        return self._w.results.pop(op_index)
+
+    def stats(self) -> ExecutorStats:
+        w = self._w
+        return ExecutorStats(
+            submitted=w.submitted, done=w.done, busy_seconds=w.busy_seconds,
+            peak_bytes=w.memory.peak, arena_hits=w.arena_hits, arena_misses=w.arena_misses,
+            blocks=w.blocks, recomputed=w.recipes.recomputed, offloaded=w.offloads.offloaded,
+            copy_wait_seconds=w.offloads.wait_seconds,
+        )  # fmt: skip
 
     def away(self, vid: int | None = None) -> bool:
         """Whether ``vid`` (None: any value) is dropped or parked, so a ``Restore`` brings it
@@ -397,18 +531,26 @@ class Executor:
     def alive(self) -> bool:
         return self._w.thread.is_alive()
 
-    def submit(self, ins: Any) -> int:
+    def submit(self, ins: Instruction) -> int:
         """Queue an instruction; returns its position (wait for it with :meth:`wait`)."""
         w = self._w
         w.q.put(ins)
         w.submitted += 1
+        if type(ins) is Run and ins.deferred:
+            self._open = self._open or w.submitted
+        elif type(ins) is Launch:
+            self._open = 0
         return w.submitted
 
     def wait(self, position: int, timeout: float) -> None:
         """Block until the instruction at ``position`` (1-based) has run.
 
-        Raises the executor's error, :class:`ExecutorDied`, or :class:`ExecutorTimeout`."""
+        Raises the executor's error, :class:`ExecutorDied`, or :class:`ExecutorTimeout`. A
+        wait for deferred ops launches their block first (in submission order: the skeleton
+        launches it with its plan before it waits)."""
         w = self._w
+        if self._open and position >= self._open:
+            position = max(position, self.submit(Launch()))
         if w.done < position:
             deadline = time.monotonic() + timeout
             w.event.clear()
@@ -449,6 +591,7 @@ class Executor:
     def reset(self) -> None:
         """Forget values and errors; a dead or stuck worker is replaced by a fresh one."""
         w = self._w
+        self._open = 0
         if w.done < w.submitted or not w.thread.is_alive():
             w.q.put(_STOP)  # a stuck thread exits when (if) it gets here
             self._w = _Worker(self.name)
@@ -459,6 +602,7 @@ class Executor:
             w.memory.__init__()
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
             w.offloads.clear()
+            w.block, w.held, w.pending, w.future, w.released = [], 0, {}, set(), set()
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""

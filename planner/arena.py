@@ -87,6 +87,7 @@ def plan_arena(
 def select_placed(
     paths: list[tuple[PlanningGraph, dict[int, Hashable], Stretches]],
     unit: Callable[[Hashable], Hashable] = lambda key: key,
+    orders: list[list[int]] | None = None,
 ) -> set[Hashable]:
     """Which keys to place in an arena that is held whole: the step then needs, on its worst
     path, the arena (the most placed bytes resident at once on any path) *plus* the most of
@@ -94,7 +95,8 @@ def select_placed(
     not where the rest does only adds. ``paths``: (graph, storage id -> key of the storages
     that may be placed, residency stretches of every storage) per path. Keys with the same
     ``unit`` go in or stay out together (the outputs of one op: it writes all of them into
-    the arena or none).
+    the arena or none). ``orders``: each path's op order, when not the issue order (stretches
+    are positions in it).
 
     Leaving everything out always reaches the allocator's peak (the least possible), so the aim
     is that peak with as much in the arena as can be. A greedy: from all keys, take out of the
@@ -108,7 +110,8 @@ def select_placed(
     for i, (g, keys, resident) in enumerate(paths):
         n = len(g)
         inside, outside = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
-        outside[:n] += np.array([g.ops[t].workspace for t in range(n)], dtype=np.int64)
+        order = orders[i] if orders is not None else range(n)
+        outside[:n] += np.array([g.ops[v].workspace for v in order], dtype=np.int64)
         outside += g.persistent_bytes
         for sid, spans in resident.items():
             s = g.storages[sid]

@@ -11,9 +11,10 @@ A storage is
   first step, a loss the program keeps), resident from its producer to the end;
 * ``local``: made and dead within the step: the arena's business.
 
-Edges say which op must run before which: data flow, the order of accesses to each storage (a
-mutation is an ordering constraint, not a new allocation), the order of random ops (so random
-streams match eager), and fetches (ops issued after Python read a value cannot run before it).
+Edges say which op must run before which: data flow (the op that made each value an op reads,
+views included), the order of accesses to each storage (a mutation is an ordering constraint,
+not a new allocation), the order of random ops (so random streams match eager), and fetches
+(ops issued after Python read a value cannot run before it).
 """
 
 from __future__ import annotations
@@ -21,10 +22,32 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tracegraph import Trace
+from tracegraph.schema import schema_of
 
 PERSISTENT, ESCAPING, LOCAL = "persistent", "escaping", "local"
+
+
+class Execution(NamedTuple):
+    """How the executor runs a path, which decides when a value Python let go of is freed
+    (the simulator, ``planner.simulate.needed_at``, is the one statement of the rule).
+
+    * ``blocks=False``: ops run as they are issued, and a value is freed ``lag`` ops after
+      Python let go of its last tensor (the skeleton learns of it when it next sweeps); with
+      ``lag=0`` this is eager PyTorch. Only the issue order runs this way.
+    * ``blocks=True``: each block (the ops between two sync points, ``PlanningGraph.block_starts``)
+      runs once it is complete, in a planned order: a value is freed after its last use in
+      that order if Python let go of it within the block, else when the block in which Python
+      let go of it starts.
+    """
+
+    blocks: bool = False
+    lag: int = 0
+
+
+EAGER = Execution()
 
 
 @dataclass(eq=False)
@@ -38,6 +61,7 @@ class Storage:
     # unknown or held to the end); at or after the last use
     release: int | None = None
     fetched: bool = False  # Python read its data (so Python holds it, not only the executor)
+    out_index: int = 0  # which output of its producer it is (among the op's outputs)
 
 
 @dataclass(eq=False)
@@ -54,7 +78,14 @@ class OpNode:
 
 
 class PlanningGraph:
-    def __init__(self, ops: list[OpNode], storages: dict[int, Storage], preds: list[set[int]]) -> None:
+    def __init__(
+        self,
+        ops: list[OpNode],
+        storages: dict[int, Storage],
+        preds: list[set[int]],
+        block_starts: Sequence[int] = (0,),
+        execution: Execution = EAGER,
+    ) -> None:
         self.ops = ops
         self.storages = storages
         self.preds = preds
@@ -62,6 +93,23 @@ class PlanningGraph:
         for v, ps in enumerate(preds):
             for u in ps:
                 self.succs[u].add(v)
+        # where the runtime's blocks start (issue positions, ascending, 0 first): the ops
+        # before a sync point (a fetch, a wait for an op's Python result, an op in a user's
+        # ``try``) are executed before those after it (see :func:`sync_points`)
+        self.block_starts = tuple(block_starts) or (0,)
+        self.execution = execution
+
+    def with_execution(self, execution: Execution) -> "PlanningGraph":
+        """The same graph (shared, not copied: do not mutate either) run by ``execution``."""
+        g = object.__new__(PlanningGraph)
+        g.__dict__.update(self.__dict__)
+        g.execution = execution
+        return g
+
+    def blocks(self) -> list[range]:
+        """The runtime's blocks, as ranges of issue positions."""
+        ends = (*self.block_starts[1:], len(self.ops))
+        return [range(a, b) for a, b in zip(self.block_starts, ends) if b > a]
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -87,7 +135,7 @@ class PlanningGraph:
             self.succs[u].add(v)
 
     @classmethod
-    def from_trace(cls, trace: Trace) -> "PlanningGraph":
+    def from_trace(cls, trace: Trace, execution: Execution = EAGER) -> "PlanningGraph":
         values = trace.values
         ops = [
             OpNode(op.index, op.name, op.seconds, random=op.random) for op in trace.ops
@@ -111,11 +159,15 @@ class PlanningGraph:
                 sid = values[vid].storage
                 if sid not in storages:  # a new storage: this op allocates it
                     kind = ESCAPING if sid in alive_storages else LOCAL
-                    storages[sid] = Storage(sid, trace.storage_bytes.get(sid, 0), kind, j)
+                    storages[sid] = Storage(sid, trace.storage_bytes.get(sid, 0), kind, j, out_index=k)
                     node.allocates.append(sid)
                     made.append(sid)
                 elif k < op.n_returned and (op.out_alias[k] is None if k < len(op.out_alias) else True):
                     written.add(sid)
+            for vid in op.inputs:  # the values it reads (a view is made by its view op)
+                producer = values[vid].producer
+                if producer is not None:
+                    preds[j].add(producer)
             for sid in read:
                 if sid in last_write:
                     preds[j].add(last_write[sid])
@@ -153,7 +205,7 @@ class PlanningGraph:
                 for vid in op.outputs:
                     if values[vid].storage in storages:
                         storages[values[vid].storage].fetched = True
-        g = cls(ops, storages, preds)
+        g = cls(ops, storages, preds, sync_points(trace), execution)
         g._add_fetch_barriers(trace)
         return g
 
@@ -162,6 +214,21 @@ class PlanningGraph:
         edges from fetches to later feeds, DESIGN.md §4)."""
         for u, v in fetch_barrier_edges(self.preds, fetch_points(trace)):
             self.add_edge(u, v)
+
+
+def sync_points(trace: Trace) -> tuple[int, ...]:
+    """Where the co-execution skeleton closes a block (coexec/skeleton.py: every fetch, every
+    op whose Python result or output shape the program waits for, every op inside a user's
+    ``try``): the issue positions that start a block, 0 first. The ops of a block are confirmed
+    together; a planned order never moves an op across a block's start."""
+    n = len(trace.ops)
+    cuts = {f.after for f in trace.fetches}
+    cuts.update(
+        op.index + 1
+        for op in trace.ops
+        if op.python_result or op.index in trace.in_try or schema_of(op.func).dynamic_shape
+    )
+    return (0, *sorted(c for c in cuts if 0 < c < n))
 
 
 def fetch_points(trace: Trace) -> list[tuple[int, int | None]]:
@@ -230,24 +297,6 @@ class _RangeMax:
         level = (hi - lo).bit_length() - 1
         row = self.table[level]
         return max(row[lo], row[hi - (1 << level)])
-
-
-def needed_at(g: PlanningGraph, order: list[int]) -> dict[int, list[int]]:
-    """Per storage the step makes (local or escaping), the positions in ``order`` where it
-    must be on the device whatever a plan does: its allocation, its uses and, in the issue
-    order, where the program let go of it (the executor frees a value then, not at its last
-    use), ascending."""
-    n = len(order)
-    pos = {v: i for i, v in enumerate(order)}
-    issue_order = order == list(range(n))
-    out = {}
-    for s in g.storages.values():
-        if s.kind != PERSISTENT:
-            ps = {pos[s.producer]} | {pos[u] for u in s.uses}
-            if s.release is not None and issue_order:
-                ps.add(min(s.release, n - 1))
-            out[s.sid] = sorted(ps)
-    return out
 
 
 def longest_gap(points) -> tuple[int, int] | None:

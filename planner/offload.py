@@ -30,22 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .graph import LOCAL, PlanningGraph, longest_gap, needed_at
-
-
-@dataclass(frozen=True)
-class Bandwidth:
-    """Bytes per second of the copy channel, each way, and the fixed cost of one copy."""
-
-    to_host: float
-    to_device: float
-    latency: float = 0.0
-
-    def out_seconds(self, nbytes: int) -> float:
-        return self.latency + nbytes / self.to_host
-
-    def in_seconds(self, nbytes: int) -> float:
-        return self.latency + nbytes / self.to_device
+from .graph import LOCAL, PlanningGraph, longest_gap
+from .schedule import Bandwidth
 
 
 @dataclass(frozen=True)
@@ -75,6 +61,8 @@ def _op_seconds(g: PlanningGraph, order: list[int]) -> list[float]:
 
 def offload_candidates(g: PlanningGraph, order: list[int], bw: Bandwidth) -> list[OffloadCandidate]:
     """The storages that may be offloaded in ``order``, with their windows, by position."""
+    from .simulate import needed_at  # (the simulator reads offload candidates)
+
     n = len(order)
     seconds = _op_seconds(g, order)
     found = []

@@ -18,10 +18,13 @@ ResNet-50's 1215 ops. (The two also cannot share a process: OR-Tools bundles its
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
-from .graph import ESCAPING, PERSISTENT, PlanningGraph
+from collections.abc import Mapping, Sequence
+
+from .graph import ESCAPING, LOCAL, PERSISTENT, OpNode, PlanningGraph, Storage
 from .simulate import replay
 
 
@@ -73,10 +76,31 @@ def greedy_order(g: PlanningGraph) -> list[int]:
     return order
 
 
+def topological(g: PlanningGraph) -> list[int]:
+    """A topological order of ``g``: the issue order when every edge goes forward in it (a
+    graph from a trace), else Kahn's."""
+    n = len(g.ops)
+    if all(u < v for v, ps in enumerate(g.preds) for u in ps):
+        return list(range(n))
+    indeg = [len(ps) for ps in g.preds]
+    stack = [v for v in range(n) if indeg[v] == 0]
+    topo = []
+    while stack:
+        v = stack.pop()
+        topo.append(v)
+        for w in g.succs[v]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                stack.append(w)
+    if len(topo) != n:
+        raise ValueError("the planning graph has a cycle")
+    return topo
+
+
 def _ancestor_counts(g: PlanningGraph) -> tuple[list[int], list[int]]:
     """Number of ancestors and of descendants of every op (bitsets as Python ints)."""
     n = len(g.ops)
-    topo = list(range(n))  # trace order is a topological order of the graph
+    topo = topological(g)
     anc = [0] * n
     for v in topo:
         m = 0
@@ -153,3 +177,101 @@ def optimal_order(
     if found > warm_peak:
         return OrderResult(warm, warm_peak, method, seconds, gap, bound)
     return OrderResult(order, found, method, seconds, gap, bound)
+
+
+def block_order(
+    g: PlanningGraph,
+    forced: Mapping[int, Sequence[int]] | None = None,
+    time_limit: float = 0.0,
+    max_solver_ops: int = 1500,
+) -> OrderResult:
+    """The order that minimises the peak when the path runs block by block
+    (``g.execution.blocks``): every block of ``g.block_starts`` stays contiguous, and a storage
+    Python let go of in a later block than its last use is held until that block starts.
+    ``forced``: block index -> the order of its ops (offsets in the block) to keep, decided on
+    another path with the same block; it must be valid here (:func:`valid_block_order`).
+
+    Solved on a copy of ``g`` with a *barrier* op between consecutive blocks (after every op of
+    the block before it, before every op of the block after it; it uses the storages held until
+    the next block starts), so :func:`greedy_order` and :func:`optimal_order` see the blocks
+    without knowing of them; CP-SAT runs only with a ``time_limit`` and up to
+    ``max_solver_ops`` ops. Never worse than the issue order."""
+    t0 = time.perf_counter()
+    forced = forced or {}
+    n = len(g)
+    issue = list(range(n))
+    issue_peak = replay(g, issue, check_order=False).peak
+    if n < 2:
+        return OrderResult(issue, issue_peak, "eager", time.perf_counter() - t0)
+    gb, real = _with_barriers(g, forced)
+    best = greedy_order(gb)
+    method, gap = "greedy", None
+    if time_limit > 0 and len(gb) <= max_solver_ops:
+        found = optimal_order(gb, time_limit=time_limit, warm=best, workers=1)
+        best, method, gap = found.order, found.method, found.gap
+    order = [real[v] for v in best if real[v] is not None]
+    peak = replay(g, order).peak
+    if peak > issue_peak and not forced:
+        return OrderResult(issue, issue_peak, "eager", time.perf_counter() - t0)
+    return OrderResult(order, peak, method, time.perf_counter() - t0, gap)
+
+
+def valid_block_order(g: PlanningGraph, block: range, order: Sequence[int]) -> bool:
+    """Is ``order`` (offsets into ``block``) a permutation of the block's ops that respects
+    every edge between them?"""
+    if sorted(order) != list(range(len(block))):
+        return False
+    pos = {block.start + k: i for i, k in enumerate(order)}
+    return all(pos[u] < pos[v] for v in block for u in g.preds[v] if u in pos)
+
+
+def _with_barriers(g: PlanningGraph, forced: Mapping[int, Sequence[int]]) -> tuple[PlanningGraph, list]:
+    """``g`` with a barrier op after each block but the last, renumbered so that the issue
+    order stays topological; and, per new op, the op of ``g`` it is (None: a barrier)."""
+    blocks = g.blocks()
+    new_of = [0] * len(g)
+    real: list[int | None] = []
+    barrier_of: list[int] = []  # block index -> its barrier's new index (after it)
+    for k, block in enumerate(blocks):
+        for v in block:
+            new_of[v] = len(real)
+            real.append(v)
+        if k < len(blocks) - 1:
+            barrier_of.append(len(real))
+            real.append(None)
+    ops = [OpNode(i, g.ops[v].name if v is not None else "barrier", g.ops[v].seconds if v is not None else 0.0) for i, v in enumerate(real)]
+    preds: list[set[int]] = [set() for _ in real]
+    for v, ps in enumerate(g.preds):
+        preds[new_of[v]] = {new_of[u] for u in ps}
+    for k, block in enumerate(blocks):
+        inside = set(block)
+        if k < len(blocks) - 1:  # every op of the block before the barrier
+            b = barrier_of[k]
+            preds[b].update(new_of[v] for v in block if not (g.succs[v] & inside))
+        if k > 0:  # the barrier before every op of the block
+            for v in block:
+                if not (g.preds[v] & inside):
+                    preds[new_of[v]].add(barrier_of[k - 1])
+        chain = forced.get(k)
+        if chain is not None:
+            for a, b in zip(chain, chain[1:]):
+                preds[new_of[block.start + b]].add(new_of[block.start + a])
+    starts = g.block_starts
+    storages: dict[int, Storage] = {}
+    for sid, s in g.storages.items():
+        uses = [new_of[u] for u in s.uses]
+        kind = s.kind
+        if s.kind == LOCAL and s.release is not None and s.producer is not None:
+            # freed when the block Python let go of it in starts, if that is after its uses
+            k_release = bisect.bisect_right(starts, min(s.release, len(g) - 1)) - 1
+            k_used = bisect.bisect_right(starts, max(s.uses, default=s.producer)) - 1
+            if k_release > k_used:
+                uses.append(barrier_of[k_release - 1])
+        producer = new_of[s.producer] if s.producer is not None else None
+        storages[sid] = Storage(sid, s.nbytes, kind, producer, sorted(set(uses)))
+    for s in storages.values():
+        for u in s.uses:
+            ops[u].uses.append(s.sid)
+        if s.producer is not None:
+            ops[s.producer].allocates.append(s.sid)
+    return PlanningGraph(ops, storages, preds), real

@@ -1,6 +1,7 @@
 """Planning a path: order, arena addresses, validation (DESIGN.md §3).
 
 :func:`plan_graph` picks the best of the eager order, the greedy order and CP-SAT's order
+(:func:`planner.order.block_order`: blocks stay whole)
 (time-limited), places the local storages in one arena (best fit, then CP-SAT when best fit
 leaves any fragmentation), and replays the result in the simulator: a :class:`Plan` is always
 valid, and says how good it is (peaks, arena, fragmentation, solve times, gaps).
@@ -12,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from .address import ALIGNMENT, Placement, aligned, conflict_pairs, greedy_offsets, live_peak, refined
-from .graph import LOCAL, PlanningGraph
-from .order import OrderResult, greedy_order, optimal_order
+from .graph import EAGER, LOCAL, Execution, PlanningGraph
+from .order import OrderResult, block_order
 from .simulate import replay
 
 
@@ -54,15 +55,15 @@ class Plan:
 
 
 def plan_graph(g: PlanningGraph, time_limit: float = 30.0, optimize: bool = True) -> Plan:
-    """Plan ``g`` within about ``time_limit`` seconds (split between order and addresses)."""
+    """Plan ``g`` within about ``time_limit`` seconds (split between order and addresses),
+    for block-by-block execution in the planned order (``Execution(blocks=True)``, what the
+    runtime does); ``eager_order_peak`` is eager PyTorch's (the issue order, freed when Python
+    let go)."""
     t0 = time.perf_counter()
     eager = list(range(len(g)))
-    eager_peak = replay(g, eager).peak
-    greedy = greedy_order(g)
-    candidates = [OrderResult(eager, eager_peak, "eager"), OrderResult(greedy, replay(g, greedy).peak, "greedy")]
-    best = min(candidates, key=lambda r: r.peak)
-    if optimize and len(g) > 1:
-        best = optimal_order(g, time_limit=0.7 * time_limit, warm=best.order)
+    eager_peak = replay(g.with_execution(EAGER), eager).peak
+    g = g.with_execution(Execution(blocks=True))
+    best = block_order(g, time_limit=0.7 * time_limit if optimize else 0.0)
     spans = {
         sid: iv
         for sid, iv in replay(g, best.order).intervals.items()

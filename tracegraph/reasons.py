@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .location import BWD, CODES, Location
-from .schema import DEFAULT, FED, TENSOR_ARG, is_number_like, schema_of
+from .schema import DEFAULT, FED, TENSOR_ARG, is_number_like
 
 if TYPE_CHECKING:
     from .graph import Cursor, Node, Region

@@ -314,6 +314,8 @@ class Recorder:
             python_result=False,
             backward_of=backward_of,
         )
+        if CODES.catches(loc, self.base_lasti):
+            self.trace.in_try.add(index)
 
         out, alias = self.execute(rec, func, args, kwargs, tensors)
 

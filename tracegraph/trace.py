@@ -157,6 +157,9 @@ class Trace:
     # value id -> ops recorded when its tensor died (it was held through that op's position);
     # for each tensor, only its latest value (an in-place op moves a tensor to a new value)
     released: dict[int, int] = field(default_factory=dict)
+    # ops issued inside a user's ``try`` whose ``except`` could catch their error: the
+    # co-execution skeleton runs them synchronously (a sync point, like a fetch)
+    in_try: set[int] = field(default_factory=set)
     # the ops ran on real tensors while recording (False for a co-execution skeleton's trace:
     # its op times are 0 and its storage sizes are layout spans, not allocations)
     computed: bool = True

@@ -34,6 +34,7 @@ class TraceColumns(NamedTuple):
     storage_bytes: dict[int, int]
     alive_at_end: frozenset
     released: dict[int, int]
+    in_try: frozenset
     computed: bool
     outside_loops: frozenset
     status: str
@@ -80,6 +81,7 @@ def to_columns(trace: Trace) -> TraceColumns:
         storage_bytes=trace.storage_bytes,
         alive_at_end=trace.alive_at_end,
         released=trace.released,
+        in_try=frozenset(trace.in_try),
         computed=trace.computed,
         outside_loops=trace.outside_loops,
         status=trace.status,
@@ -110,6 +112,7 @@ def from_columns(c: TraceColumns) -> Trace:
         storage_bytes=c.storage_bytes,
         alive_at_end=c.alive_at_end,
         released=c.released,
+        in_try=set(c.in_try),
         computed=c.computed,
         outside_loops=c.outside_loops,
         status=c.status,

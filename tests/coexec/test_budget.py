@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import coexec
-import coexec.budget as budget_module
+import planner.program as budget_module
 from coexec.budget import parse_budget
-from planner.remat import BudgetTooSmall, format_bytes
+from planner import BudgetTooSmall, format_bytes
 from tests.coexec.helpers import as_float, run, tensors_of
 
 
@@ -157,10 +157,10 @@ def test_under_a_budget_the_arena_is_planned_with_it_and_the_peak_is_exact(even_
     budget = smallest_budget(make, step, 6, "budget-arena-floor", arena=True)
     budget, losses, state, tape, peaks = run_at_floor(make, step, 6, budget, "budget-arena", arena=True)
     program = tape._program
-    plan = program.budget_plan
-    assert plan.arena is not None and program.arena.numel() == plan.arena.arena_bytes > 0
-    assert plan.arena.fragmentation < 0.1  # best fit over residency stretches
-    assert len(peaks) >= 2 and all(p == plan.planned_peak <= budget for p in peaks)
+    plan = program.schedule
+    assert plan.arena_bytes and program.arena.numel() == plan.arena_bytes > 0
+    assert plan.fragmentation < 0.1  # best fit over residency stretches
+    assert len(peaks) >= 2 and all(p == plan.peak <= budget for p in peaks)
     assert tape.stats.recomputed_ops > 0
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
     without = smallest_budget(make, step, 6, "budget-no-arena-floor", arena=False)
@@ -181,13 +181,13 @@ def test_debug_logs_what_the_budget_plan_does(capsys):
         f"planning {n} path(s) in the background (memory budget 1.91 MiB)" for n in (1, 2)
     ]  # planned again for the second path
     lines = [x for x in err if "ready after" in x and "memory budget 1.91 MiB" in x]
-    plan = tape._program.budget_plan
+    plan = tape._program.schedule
     assert len(plan.paths) == 2 and 1 <= len(lines) <= 2  # the first may be overtaken
     assert tape.stats.planned_paths == 2
-    recomputed = len({k for ks in plan.drop_after.values() for k in ks})
+    recomputed = len(plan.recompute)
     assert recomputed > 0 and tape.stats.recomputed_ops > 0
     assert (
-        f"planned peak {format_bytes(plan.planned_peak)} over 2 path(s), {recomputed} storages recomputed"
+        f"planned peak {format_bytes(plan.peak)} over 2 path(s); {recomputed} storages recomputed"
         in lines[-1]
     )
     assert "0 offloaded" in lines[-1] and "planned in" in lines[-1]
@@ -210,8 +210,8 @@ def test_offloading_lowers_the_smallest_budget_and_parks_activations_bit_equal()
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
     assert len(peaks) >= 2 and max(peaks) <= budget
     assert tape.stats.offloaded_storages > 0
-    plan = tape._program.budget_plan
-    assert plan.host_bytes > 0 and plan.offload_keys
+    plan = tape._program.schedule
+    assert plan.host_bytes > 0 and plan.parked
     assert tape.stats.planned_step_seconds > 0 and tape.stats.step_seconds > 0
 
 

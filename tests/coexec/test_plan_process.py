@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import coexec
+import planner.program
 from coexec import planning
 from coexec.plan_process import PlanProcess, dumps
 from coexec.planning import PlanRequest, Planner, make_plan
+from planner import PathInput, Site
 from tests.coexec.helpers import run
 from tests.coexec.test_planning import make, step
 from tracegraph import record
@@ -35,6 +37,10 @@ def traced(n: int = 1) -> list:
     return out
 
 
+def as_path(tr) -> PathInput:
+    return PathInput(tr, tuple(Site(i, ()) for i in range(len(tr.ops))))
+
+
 def test_a_trace_crosses_the_pipe_with_its_ops_values_and_markers():
     (tr,) = traced()
     back = pickle.loads(dumps(tr))
@@ -51,34 +57,34 @@ def test_plans_are_made_in_another_process_and_equal_those_made_here():
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
     program = tape._program
     assert program.plan_pid is not None and program.plan_pid != os.getpid()
-    req = PlanRequest(1, tuple(program.paths), tuple(program.path_keys), None, None, True)
-    here = make_plan(req).arena_plan
-    assert here is not None and program.arena_plan is not None
-    assert program.arena_plan.offsets == here.offsets
-    assert program.arena_plan.arena_bytes == here.arena_bytes
+    req = PlanRequest(1, tuple(program.paths), None, None, True)
+    here = make_plan(req).schedule
+    assert here is not None and program.schedule is not None
+    assert program.schedule.offsets == here.offsets and program.schedule.blocks == here.blocks
+    assert program.schedule.arena_bytes == here.arena_bytes
     # the CPU this process spent on those plans (pickling) is counted
     assert 0 < tape.stats.plan_local_seconds
 
 
 def opened(job) -> list:
-    return [(len(tr.ops), keys) for tr, keys in map(pickle.loads, job.new_traces.values())]
+    return [(len(p.trace.ops), p.sites[:1]) for p in map(pickle.loads, job.new_paths.values())]
 
 
 def test_each_trace_is_sent_once_and_forgotten_when_let_go_of():
-    t1, t2 = traced(2)
+    t1, t2 = map(as_path, traced(2))
     proc = PlanProcess()
     try:
-        first = proc._job(PlanRequest(1, (t1,), ((),), None, None, True), {"a": 1})
-        second = proc._job(PlanRequest(2, (t1, t2), ((), ()), None, None, True), {"a": 1, "b": 2})
-        assert opened(first) == [(len(t1.ops), ())] and first.probes == {"a": 1}
-        assert opened(second) == [(len(t2.ops), ())] and second.probes == {"b": 2}
-        assert second.path_ids == (*first.path_ids, *second.new_traces)
-        assert first.request.traces == first.request.keys == () and second.request.number == 2
+        first = proc._job(PlanRequest(1, (t1,), None, None, True))
+        second = proc._job(PlanRequest(2, (t1, t2), None, None, True))
+        assert opened(first) == [(len(t1.trace.ops), (Site(0, ()),))]
+        assert opened(second) == [(len(t2.trace.ops), (Site(0, ()),))]
+        assert second.path_ids == (*first.path_ids, *second.new_paths)
+        assert first.request.paths == () and second.request.number == 2
         gone = first.path_ids[0]
         del t1, first, second
         gc.collect()
-        third = proc._job(PlanRequest(3, (t2,), ((),), None, None, True), {"a": 1, "b": 2})
-        assert third.forget == (gone,) and third.new_traces == {} and third.probes == {}
+        third = proc._job(PlanRequest(3, (t2,), None, None, True))
+        assert third.forget == (gone,) and third.new_paths == {}
     finally:
         proc.close()
 
@@ -86,18 +92,18 @@ def test_each_trace_is_sent_once_and_forgotten_when_let_go_of():
 def test_a_path_is_pickled_on_the_thread_that_asks_and_sent_as_it_is():
     # the step's thread pickles a new path when it asks for a plan (Planner.submit), so the
     # planner thread does not take the GIL from the next step to do it
-    (tr,) = traced()
+    (tr,) = map(as_path, traced())
     proc = PlanProcess()
     try:
-        proc.encode(tr, ("k",))
-        payload = proc._encoded[id(tr)]
-        job = proc._job(PlanRequest(1, (tr,), (("k",),), None, None, True), {})
-        assert [p is payload for p in job.new_traces.values()] == [True] and proc._encoded == {}
-        proc.encode(tr, ("k",))  # sent already: not again
+        proc.encode(tr)
+        payload = proc._encoded[id(tr.trace)]
+        job = proc._job(PlanRequest(1, (tr,), None, None, True))
+        assert [p is payload for p in job.new_paths.values()] == [True] and proc._encoded == {}
+        proc.encode(tr)  # sent already: not again
         assert proc._encoded == {}
-        (other,) = traced()
-        proc.encode(other, ())
-        key = id(other)
+        (other,) = map(as_path, traced())
+        proc.encode(other)
+        key = id(other.trace)
         del other
         gc.collect()
         assert key not in proc._encoded  # let go of before any request: dropped
@@ -106,17 +112,16 @@ def test_a_path_is_pickled_on_the_thread_that_asks_and_sent_as_it_is():
 
 
 def test_a_child_that_died_is_replaced_and_sent_every_trace_again():
-    paths = traced(2)
-    keys = tuple(() for _ in paths)
+    paths = tuple(map(as_path, traced(2)))
     proc = PlanProcess()
     try:
-        a = proc.plan(PlanRequest(1, tuple(paths), keys, None, None, False), {})
+        a = proc.plan(PlanRequest(1, paths, None, None, False))
         pid = a.pid
         proc._proc.kill()
         proc._proc.wait()
-        b = proc.plan(PlanRequest(2, tuple(paths), keys, None, None, False), {})
+        b = proc.plan(PlanRequest(2, paths, None, None, False))
         assert a.error is None and b.error is None and b.pid not in (None, pid)
-        assert b.request.number == 2 and len(b.request.traces) == 2
+        assert b.request.number == 2 and len(b.request.paths) == 2
     finally:
         proc.close()
 
@@ -134,26 +139,28 @@ def test_without_a_planning_process_plans_are_made_here_and_it_is_said(monkeypat
     with pytest.warns(RuntimeWarning, match=r"the planning process failed \(OSError: no processes"):
         losses, state, tape = run(make, step, 6, True, key="plan-process-none")
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
-    assert tape._program.arena_plan is not None and tape._program.plan_pid is None
+    assert tape._program.schedule is not None and tape._program.plan_pid is None
     planner.close()
 
 
 def test_each_path_is_prepared_once_however_often_it_is_planned(monkeypatch):
     _losses, _state, tape = run(make, step, 6, True, key="plan-process-prepared")
-    paths, keys = tuple(tape._program.paths), tuple(tape._program.path_keys)
+    paths = tuple(tape._program.paths)
     assert len(paths) >= 2
     built = []
-    from_trace = coexec.arena.PlanningGraph.from_trace
-    monkeypatch.setattr(coexec.arena, "_PREPARED", type(coexec.arena._PREPARED)())
+    program_module = planner.program
+    from_trace = program_module.PlanningGraph.from_trace
+    monkeypatch.setattr(program_module, "_PREPARED", type(program_module._PREPARED)())
     monkeypatch.setattr(
-        coexec.arena.PlanningGraph, "from_trace", lambda t: built.append(t) or from_trace(t)
+        program_module.PlanningGraph, "from_trace", lambda t: built.append(t) or from_trace(t)
     )
-    first = make_plan(PlanRequest(1, paths[:1], keys[:1], None, None, True))
-    again = make_plan(PlanRequest(2, paths, keys, None, None, True))
-    assert [id(t) for t in built] == [id(t) for t in paths]  # each path's graph built once
-    monkeypatch.setattr(coexec.arena, "_PREPARED", type(coexec.arena._PREPARED)())
-    anew = make_plan(PlanRequest(3, paths, keys, None, None, True))  # every path built again
-    assert first.arena_plan is not None and again.arena_plan.offsets == anew.arena_plan.offsets
+    first = make_plan(PlanRequest(1, paths[:1], None, None, True))
+    again = make_plan(PlanRequest(2, paths, None, None, True))
+    assert [id(t) for t in built] == [id(p.trace) for p in paths]  # each path's graph built once
+    monkeypatch.setattr(program_module, "_PREPARED", type(program_module._PREPARED)())
+    anew = make_plan(PlanRequest(3, paths, None, None, True))  # every path built again
+    assert first.schedule is not None and again.schedule.offsets == anew.schedule.offsets
+    assert again.schedule.blocks == anew.schedule.blocks
 
 
 def test_the_planning_process_starts_while_the_first_step_runs(monkeypatch):

@@ -14,7 +14,7 @@ from torch import nn
 
 import coexec
 from coexec import planning, programs, runtime
-from planner.remat import BudgetTooSmall
+from planner import BudgetTooSmall
 from tests.coexec.helpers import as_float, run, tensors_of
 
 
@@ -71,13 +71,13 @@ def test_steps_co_execute_without_waiting_while_the_plan_is_made_then_use_it(hel
     # anyway, every output from the allocator (issue order)
     program = tape._program
     assert tape.stats.coexec_steps >= 2 and tape.stats.planned_paths == 0
-    assert program.arena_plan is None and program.arena is None
+    assert program.schedule is None and program.arena is None
     held_plans.set()
     assert coexec.wait_for_plans(60)
-    hits0 = ex.arena_hits
+    hits0 = ex.stats().arena_hits
     losses += run_steps(s, tape, 3, first=5)
     assert tape.stats.planned_paths == tape.stats.traces == len(program.paths)
-    assert program.arena_plan is not None and ex.arena_hits > hits0  # the plan arrived: used
+    assert program.schedule is not None and ex.stats().arena_hits > hits0  # the plan arrived: used
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(tensors_of(s), eager_state))
     err = capsys.readouterr().err
@@ -110,12 +110,12 @@ def test_a_plan_that_fails_is_said_and_steps_run_without_it(
     def broken(*args):
         raise ZeroDivisionError("a planner bug")
 
-    monkeypatch.setattr(coexec.arena, "plan_program_arena", broken)
+    monkeypatch.setattr(coexec.planning, "plan_program", broken)
     eager_losses, eager_state, _ = run(make, step, 6, False)
-    with pytest.warns(RuntimeWarning, match=r"planning the arena for the step at .* failed \(ZeroDivisionError: a"):
+    with pytest.warns(RuntimeWarning, match=r"planning the step at .* failed \(ZeroDivisionError: a"):
         losses, state, tape = run(make, step, 6, True, key="planning-broken")
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
-    assert tape.stats.coexec_steps >= 2 and tape._program.arena_plan is None
+    assert tape.stats.coexec_steps >= 2 and tape._program.schedule is None
 
 
 def test_under_a_budget_a_plan_that_fails_stops_the_step_before_it_runs(
@@ -124,7 +124,7 @@ def test_under_a_budget_a_plan_that_fails_stops_the_step_before_it_runs(
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a planner bug")
 
-    monkeypatch.setattr(coexec.budget, "plan_program_budget", broken)
+    monkeypatch.setattr(coexec.planning, "plan_program", broken)
     s = make()
     tape = coexec.GradientTape(key="planning-budget-broken", memory_budget="10MB")
     ran = []
@@ -147,7 +147,7 @@ def test_a_dropped_program_never_takes_a_plan_that_arrives_late(held_plans):
     held_plans.set()
     assert coexec.wait_for_plans(60)
     assert program.collect(wait=False) == []
-    assert program.arena_plan is None and program.arena is None and not program.paths
+    assert program.schedule is None and program.arena is None and not program.paths
 
 
 def test_the_smallest_budget_named_is_raised_before_the_step_runs_and_then_suffices():

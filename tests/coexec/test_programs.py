@@ -150,7 +150,7 @@ def test_the_least_recently_used_program_is_dropped_with_its_arena():
                 assert first.arena is not None and first.graph.nodes()
         gc.collect()
         assert arena() is None  # its memory went with it
-        assert not first.graph.nodes() and first.arena_plan is None and not first.paths
+        assert not first.graph.nodes() and first.schedule is None and not first.paths
         assert programs.live_programs() == 2
         assert tapes[0].stats.steps == 4  # a tape still reports what its program did
         # the first model is new again: its program starts over, and co-executes once warm

@@ -20,21 +20,21 @@ def test_an_offloaded_storage_leaves_the_device_and_comes_back_equal_with_its_vi
     ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
     ex.submit(run(aten.t.default, V(1), outs=[2]))  # a view of 1: same storage
     ex.drain(10)
-    kept = ex.values[1].clone()
+    kept = ex._w.values[1].clone()
     ex.submit(Offload((1, 2), 0))
     ex.submit(Wait((1, 2)))
     ex.drain(10)
-    assert 1 not in ex.values and 2 not in ex.values and ex.memory.live == 0
+    assert 1 not in ex._w.values and 2 not in ex._w.values and ex._w.memory.live == 0
     ex.submit(Prefetch((1, 2)))
     ex.drain(10)
-    assert ex.memory.live == N  # allocated at the prefetch, before any use
+    assert ex._w.memory.live == N  # allocated at the prefetch, before any use
     ex.submit(run(aten.mul_.Tensor, V(2), 2.0, outs=[]))  # writes through the view
     ex.submit(run(aten.clone.default, V(1), outs=[3]))
     ex.drain(10)
-    assert torch.equal(ex.values[3], kept * 2)  # the view still aliases its base
-    assert ex.values[1].untyped_storage().data_ptr() == ex.values[2].untyped_storage().data_ptr()
-    assert ex.memory.peak == 2 * N
-    assert (ex.offloads.offloaded, ex.offloads.fetched_late) == (1, 0)
+    assert torch.equal(ex._w.values[3], kept * 2)  # the view still aliases its base
+    assert ex._w.values[1].untyped_storage().data_ptr() == ex._w.values[2].untyped_storage().data_ptr()
+    assert ex._w.memory.peak == 2 * N
+    assert (ex._w.offloads.offloaded, ex._w.offloads.fetched_late) == (1, 0)
 
 
 def test_a_parked_value_read_before_its_prefetch_is_copied_back_on_the_spot(ex):
@@ -44,8 +44,8 @@ def test_a_parked_value_read_before_its_prefetch_is_copied_back_on_the_spot(ex):
     ex.submit(Wait((1,)))
     ex.submit(run(aten.neg.default, V(1), outs=[2]))
     ex.drain(10)
-    assert torch.equal(ex.values[2], -ex.values[1])
-    assert ex.offloads.fetched_late == 1
+    assert torch.equal(ex._w.values[2], -ex._w.values[1])
+    assert ex._w.offloads.fetched_late == 1
 
 
 def test_a_write_during_the_copy_out_keeps_the_value_on_the_device(ex):
@@ -56,8 +56,8 @@ def test_a_write_during_the_copy_out_keeps_the_value_on_the_device(ex):
     ex.submit(Run_move(aten.add_.Tensor, 1, 2, 1.0))
     ex.submit(Wait((1,)))
     ex.drain(10)
-    assert torch.equal(ex.values[2], torch.full((256, 256), 2.0))
-    assert not ex.offloads.parcels and ex.memory.live == N
+    assert torch.equal(ex._w.values[2], torch.full((256, 256), 2.0))
+    assert not ex._w.offloads.parcels and ex._w.memory.live == N
 
 
 def Run_move(func, old, new, other):
@@ -77,11 +77,11 @@ def test_freeing_and_restoring_parked_values(ex):
     ex.submit(Free((1,)))  # Python let go of a parked value: nothing to bring back
     ex.submit(Restore(None, 0, 10))  # the skeleton is about to read what is left
     ex.drain(10)
-    assert 1 not in ex.values and 2 in ex.values and ex.memory.live == N
+    assert 1 not in ex._w.values and 2 in ex._w.values and ex._w.memory.live == N
     ex.submit(Prefetch((2,)))
     ex.submit(FreeRange(0, 10))
     ex.drain(10)
-    assert ex.memory.live == 0 and not ex.offloads.parcels
+    assert ex._w.memory.live == 0 and not ex._w.offloads.parcels
 
 
 def test_bandwidth_is_measured_once_and_positive():
@@ -132,7 +132,7 @@ def test_any_interleaving_of_moves_reads_writes_and_frees_keeps_values_and_count
                 fresh += 1
                 ex.submit(run(aten.neg.default, V(v), outs=[fresh]))
                 ex.drain(10)
-                assert torch.equal(ex.values[fresh], -expected[k]), (event, k, s)
+                assert torch.equal(ex._w.values[fresh], -expected[k]), (event, k, s)
                 ex.submit(Free((fresh,)))
                 state[k] = "out" if s == "out" else "device"  # a parked value read comes back
             elif event == "write":
@@ -146,12 +146,12 @@ def test_any_interleaving_of_moves_reads_writes_and_frees_keeps_values_and_count
                 ex.submit(Free((v,)))
                 state[k] = "freed"
         ex.drain(10)
-        assert ex.memory.live == n * sum(s in ("device", "out") for s in state.values())
+        assert ex._w.memory.live == n * sum(s in ("device", "out") for s in state.values())
         for k in range(4):  # read through the executor: prefetched and parked values come back
             if state[k] != "freed":
                 fresh += 1
                 ex.submit(run(aten.clone.default, V(vid[k]), outs=[fresh]))
                 ex.drain(10)
-                assert torch.equal(ex.values[fresh], expected[k])
+                assert torch.equal(ex._w.values[fresh], expected[k])
     finally:
         ex.close()

@@ -32,17 +32,17 @@ def test_a_dropped_value_is_recomputed_before_its_next_use_and_equals_the_origin
     ex.submit(run(aten.clone.default, x, outs=[1]))  # value 1: a copy of x (1/4 MB)
     ex.submit(run(aten.sin.default, V(1), outs=[2], recipe=True))  # value 2 = sin(1)
     ex.drain(10)
-    kept = ex.values[2].clone()
-    assert ex.memory.live == 2 * 256 * 256 * 4
+    kept = ex._w.values[2].clone()
+    assert ex._w.memory.live == 2 * 256 * 256 * 4
     ex.submit(Drop((2,)))
     ex.drain(10)
-    assert 2 not in ex.values and ex.memory.live == 256 * 256 * 4
+    assert 2 not in ex._w.values and ex._w.memory.live == 256 * 256 * 4
     ex.submit(run(aten.cos.default, V(2), outs=[3]))  # needs 2: recomputed first
     ex.drain(10)
-    assert torch.equal(ex.values[2], kept)
-    assert torch.equal(ex.values[3], torch.cos(kept))
-    assert ex.recipes.recomputed == 1
-    assert ex.memory.peak == 3 * 256 * 256 * 4
+    assert torch.equal(ex._w.values[2], kept)
+    assert torch.equal(ex._w.values[3], torch.cos(kept))
+    assert ex._w.recipes.recomputed == 1
+    assert ex._w.memory.peak == 3 * 256 * 256 * 4
 
 
 def test_a_pinned_input_outlives_its_free_until_the_recipe_retires(ex):
@@ -51,11 +51,11 @@ def test_a_pinned_input_outlives_its_free_until_the_recipe_retires(ex):
     ex.submit(Free((1,)))  # Python let go of 1, but the recipe of 2 reads it
     ex.submit(Drop((2,)))
     ex.drain(10)
-    assert 1 in ex.values and 2 not in ex.values
+    assert 1 in ex._w.values and 2 not in ex._w.values
     ex.submit(Restore((2,)))
     ex.drain(10)
-    assert 1 not in ex.values  # the recipe ran and retired: the waiting free happened
-    assert torch.equal(ex.values[2], torch.full((MB // 4,), 3.0))
+    assert 1 not in ex._w.values  # the recipe ran and retired: the waiting free happened
+    assert torch.equal(ex._w.values[2], torch.full((MB // 4,), 3.0))
 
 
 def test_recomputation_is_recursive_through_dropped_inputs(ex):
@@ -65,8 +65,8 @@ def test_recomputation_is_recursive_through_dropped_inputs(ex):
     ex.submit(Drop((2, 3)))
     ex.submit(run(aten.neg.default, V(3), outs=[4]))
     ex.drain(10)
-    assert torch.equal(ex.values[4], -(torch.arange(1000) * 2 + 1))
-    assert ex.recipes.recomputed == 2
+    assert torch.equal(ex._w.values[4], -(torch.arange(1000) * 2 + 1))
+    assert ex._w.recipes.recomputed == 2
 
 
 def test_an_in_place_write_to_a_pinned_input_restores_its_dependents_first(ex):
@@ -77,8 +77,8 @@ def test_an_in_place_write_to_a_pinned_input_restores_its_dependents_first(ex):
     w.moves = ((1, 11),)
     ex.submit(w)  # writes value 1 in place: value 2 must be made from the old contents
     ex.drain(10)
-    assert torch.equal(ex.values[2], torch.full((10,), 5.0))
-    assert torch.equal(ex.values[11], torch.full((10,), 100.0))
+    assert torch.equal(ex._w.values[2], torch.full((10,), 5.0))
+    assert torch.equal(ex._w.values[11], torch.full((10,), 100.0))
 
 
 def test_a_free_of_a_dropped_value_retires_its_recipe_and_a_step_end_forgets_everything(ex):
@@ -88,14 +88,14 @@ def test_a_free_of_a_dropped_value_retires_its_recipe_and_a_step_end_forgets_eve
     ex.submit(Free((2,)))
     ex.submit(Free((1,)))
     ex.drain(10)
-    assert not ex.values and not ex.recipes.pins and not ex.recipes.dropped
-    assert ex.memory.live == 0
+    assert not ex._w.values and not ex._w.recipes.pins and not ex._w.recipes.dropped
+    assert ex._w.memory.live == 0
     ex.submit(run(aten.ones.default, [100], outs=[5]))
     ex.submit(run(aten.mul.Scalar, V(5), 2, outs=[6], recipe=True))
     ex.submit(Drop((6,)))
     ex.submit(FreeRange(0, 10))
     ex.drain(10)
-    assert not ex.values and not ex.recipes.by_out and ex.memory.live == 0
+    assert not ex._w.values and not ex._w.recipes.by_out and ex._w.memory.live == 0
 
 
 def test_a_random_recipe_replays_its_random_numbers_and_the_stream_goes_on(ex):
@@ -111,6 +111,6 @@ def test_a_random_recipe_replays_its_random_numbers_and_the_stream_goes_on(ex):
     ex.drain(10)
     torch.manual_seed(7)
     first = torch.bernoulli(torch.ones(1000), 0.5)
-    assert torch.equal(ex.values[2], first)
-    assert torch.equal(ex.values[3], torch.rand(5))
-    assert torch.equal(ex.values[4], torch.rand(5))  # the replay did not consume the stream
+    assert torch.equal(ex._w.values[2], first)
+    assert torch.equal(ex._w.values[3], torch.rand(5))
+    assert torch.equal(ex._w.values[4], torch.rand(5))  # the replay did not consume the stream

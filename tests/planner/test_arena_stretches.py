@@ -12,15 +12,14 @@ from planner.arena import plan_arena
 from planner.graph import LOCAL
 from planner.remat import (
     RematPath,
-    _cost,
+    cost as _cost,
     bound_of,
     candidates,
     exhaustive_remat,
     min_feasible_budget_paths,
     plan_remat_paths,
-    remat_replay,
 )
-from planner.simulate import InvalidPlan, check_stretches
+from planner.simulate import InvalidPlan, check_stretches, replay
 from tests.planner.helpers import chain_graph
 from tests.planner.test_remat import training_graph
 
@@ -33,7 +32,7 @@ def test_a_dropped_storage_leaves_its_bytes_to_others_until_it_is_made_again():
     order = list(range(len(g)))
     keys = {sid: sid for sid in g.storages}
     (c1,) = [c for c in candidates(g, order) if c.op == 1]
-    rep = remat_replay(g, order, [c1])
+    rep = replay(g, order, dropped=[c1])
     assert rep.segments[1] == [(1, 2), (5, 5)]
     plain = plan_arena([(g, keys)])
     dropped = plan_arena([(g, keys)], stretches=[rep.segments])
@@ -66,7 +65,7 @@ def test_an_arena_over_any_drops_is_valid_and_no_smaller_than_what_it_holds(seed
     order = list(range(len(g)))
     cands = candidates(g, order)
     dropped = [c for c in cands if rng.random() < 0.5]
-    rep = remat_replay(g, order, dropped)
+    rep = replay(g, order, dropped=dropped)
     keys = {sid: sid for sid in g.storages}
     plan = plan_arena([(g, keys)], stretches=[rep.segments])
     local = {sid: spans for sid, spans in rep.segments.items() if sid in plan.offsets}
@@ -77,7 +76,7 @@ def test_an_arena_over_any_drops_is_valid_and_no_smaller_than_what_it_holds(seed
 
 
 def _bound(path, plan) -> int:
-    return bound_of([path], [remat_replay(path.g, path.order, plan.dropped, plan.offloaded)])
+    return bound_of([path], [replay(path.g, path.order, dropped=plan.dropped, offloaded=plan.offloaded)])
 
 
 @pytest.mark.parametrize("rows", ["dense", "running"])
@@ -89,15 +88,15 @@ def test_a_plan_with_an_arena_matches_exhaustive_search(seed, rows, monkeypatch)
     import planner.remat as remat
 
     if rows == "running":
-        monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
+        monkeypatch.setattr(remat.model, "MAX_DENSE_TERMS", 0)
     rng = random.Random(100 + seed)
     g = training_graph(rng, depth=rng.randint(3, 6), skips=rng.randint(0, 2))
     order = list(range(len(g)))
     local = [sid for sid, s in g.storages.items() if s.kind == LOCAL]
     placed = frozenset(sid for sid in local if rng.random() < 0.7)
     path = RematPath(g, order, placed=placed)
-    base = bound_of([path], [remat_replay(g, order, [])])
-    assert base >= remat_replay(g, order, []).peak
+    base = bound_of([path], [replay(g, order, dropped=[])])
+    assert base >= replay(g, order, dropped=[]).peak
     floor = min_feasible_budget_paths([path])[0]
     assert exhaustive_remat(g, floor, order, placed=placed) is not None
     assert exhaustive_remat(g, floor - 1, order, placed=placed) is None

@@ -11,12 +11,11 @@ from planner.offload import Bandwidth, offload_candidates, predict_seconds
 from planner.remat import (
     OFFLOAD_COST,
     BudgetTooSmall,
-    _cost,
+    cost as _cost,
     candidates,
     exhaustive_remat,
     min_feasible_budget,
     plan_remat,
-    remat_replay,
 )
 from planner.simulate import replay
 from tests.planner.test_remat import ladder, training_graph
@@ -49,9 +48,9 @@ def test_windows_follow_the_bandwidth():
 def test_an_offloaded_storage_is_off_the_device_between_its_windows():
     g, order = timed_ladder()
     o = {o.sid: o for o in offload_candidates(g, order, BW)}[1]
-    rep = remat_replay(g, order, [], [o])
+    rep = replay(g, order, dropped=[], offloaded=[o])
     assert rep.segments[1] == [(1, 3), (6, 7)]
-    base = remat_replay(g, order, [])
+    base = replay(g, order, dropped=[])
     assert [b - a for a, b in zip(rep.live, base.live)] == [0, 0, 0, 0, 8, 8, 0, 0, 0]
 
 
@@ -62,7 +61,7 @@ def test_an_offloaded_input_of_a_dropped_op_recomputed_while_parked_is_refused()
     assert c1.recompute_at in o0.off or c1.recompute_at == o0.use - 1
     if c1.recompute_at in o0.off:
         with pytest.raises(ValueError, match="needed while parked"):
-            remat_replay(g, order, [c1], [o0])
+            replay(g, order, dropped=[c1], offloaded=[o0])
 
 
 @pytest.mark.parametrize("rows", ["dense", "running"])
@@ -71,7 +70,7 @@ def test_combined_plan_matches_exhaustive_search(seed, rows, monkeypatch):
     import planner.remat as remat
 
     if rows == "running":  # the memory rows of large graphs, forced
-        monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
+        monkeypatch.setattr(remat.model, "MAX_DENSE_TERMS", 0)
     rng = random.Random(seed)
     g = training_graph(rng, depth=rng.randint(3, 6), skips=rng.randint(0, 2))
     order = list(range(len(g)))
@@ -89,7 +88,7 @@ def test_combined_plan_matches_exhaustive_search(seed, rows, monkeypatch):
             continue
         plan = plan_remat(g, budget, order, bandwidth=bw)
         assert plan.peak <= budget and plan.optimal
-        assert remat_replay(g, order, plan.dropped, plan.offloaded).peak == plan.peak
+        assert replay(g, order, dropped=plan.dropped, offloaded=plan.offloaded).peak == plan.peak
         cost = sum(map(_cost, plan.dropped)) + OFFLOAD_COST * len(plan.offloaded)
         assert cost == best[0], (budget, plan.dropped, plan.offloaded, best)
 
@@ -115,14 +114,14 @@ def test_offloading_never_names_a_floor_above_recomputation_s_even_when_its_solv
     order = list(range(len(g)))
     remat_floor = min_feasible_budget(g, order)[0]
     assert remat_floor < replay(g, order).peak
-    real_solve = remat._Model.solve
+    real_solve = remat.Model.solve
 
     def offloads_time_out(self, time_limit, hint, workers=8):
         if self.off:
             return None, cp_model.UNKNOWN, None
         return real_solve(self, time_limit, hint, workers)
 
-    monkeypatch.setattr(remat._Model, "solve", offloads_time_out)
+    monkeypatch.setattr(remat.Model, "solve", offloads_time_out)
     assert offload_candidates(g, order, BW)
     assert min_feasible_budget(g, order, bandwidth=BW)[0] == remat_floor
 

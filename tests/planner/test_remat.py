@@ -8,12 +8,11 @@ import pytest
 
 from planner.remat import (
     BudgetTooSmall,
-    _cost,
+    cost as _cost,
     candidates,
     exhaustive_remat,
     min_feasible_budget,
     plan_remat,
-    remat_replay,
 )
 from planner.simulate import replay
 
@@ -47,7 +46,7 @@ def test_replay_without_drops_is_the_plain_simulator():
     for _ in range(50):
         g = random_graph(rng, rng.randint(2, 12))
         order = list(range(len(g)))
-        assert remat_replay(g, order, []).peak == replay(g, order).peak
+        assert replay(g, order, dropped=[]).peak == replay(g, order).peak
 
 
 def test_dropping_frees_the_gap_and_recomputes_before_the_next_use():
@@ -58,10 +57,10 @@ def test_dropping_frees_the_gap_and_recomputes_before_the_next_use():
     order = list(range(len(g)))
     (c1,) = [c for c in candidates(g, order) if c.op == 1]
     assert (c1.free_after, c1.recompute_at, c1.inputs) == (2, 5, (0,))
-    rep = remat_replay(g, order, [c1])
+    rep = replay(g, order, dropped=[c1])
     assert rep.segments[1] == [(1, 2), (5, 5)]
     assert rep.extra_seconds == pytest.approx(3e-6)
-    base = remat_replay(g, order, [])
+    base = replay(g, order, dropped=[])
     assert [b - a for a, b in zip(rep.live, base.live)] == [0, 0, 0, 8, 8, 0, 0]
 
 
@@ -78,11 +77,11 @@ def test_a_dropped_input_is_made_again_where_a_dropped_reader_needs_it():
     by_op = {c.op: c for c in candidates(g, order)}
     assert sorted(by_op) == [0, 1, 2]  # 3 is used right after the loss: no gap to save
     # dropping 2 (recomputed at 6) needs 1 there: 1 is made again at 6, not kept until then
-    rep = remat_replay(g, order, [by_op[1], by_op[2]])
+    rep = replay(g, order, dropped=[by_op[1], by_op[2]])
     assert rep.segments[1] == [(1, 2), (6, 7)]
     assert rep.segments[2] == [(2, 3), (6, 6)]
     # dropping only 2 keeps 1 resident through its gap, as it is anyway
-    assert remat_replay(g, order, [by_op[2]]).segments[1] == [(1, 7)]
+    assert replay(g, order, dropped=[by_op[2]]).segments[1] == [(1, 7)]
 
 
 def test_mutated_ops_are_never_dropped_random_ones_may_be():
@@ -109,7 +108,7 @@ def test_plan_matches_exhaustive_search(seed, rows, monkeypatch):
     import planner.remat as remat
 
     if rows == "running":
-        monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
+        monkeypatch.setattr(remat.model, "MAX_DENSE_TERMS", 0)
     rng = random.Random(seed)
     g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
     order = list(range(len(g)))
@@ -125,7 +124,7 @@ def test_plan_matches_exhaustive_search(seed, rows, monkeypatch):
             continue
         plan = plan_remat(g, budget, order)
         assert plan.peak <= budget
-        assert remat_replay(g, order, plan.dropped).peak == plan.peak
+        assert replay(g, order, dropped=plan.dropped).peak == plan.peak
         assert sum(map(_cost, plan.dropped)) == best[0], (budget, plan.dropped, best)
         assert plan.optimal
 
@@ -136,17 +135,17 @@ def test_smallest_feasible_budget_is_exact_and_named(seed, rows, monkeypatch):
     import planner.remat as remat
 
     if rows == "running":
-        monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
+        monkeypatch.setattr(remat.model, "MAX_DENSE_TERMS", 0)
     rng = random.Random(100 + seed)
     g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
     order = list(range(len(g)))
     cands = candidates(g, order)
     brute = min(
-        remat_replay(g, order, [c for k, c in enumerate(cands) if mask >> k & 1]).peak
+        replay(g, order, dropped=[c for k, c in enumerate(cands) if mask >> k & 1]).peak
         for mask in range(1 << len(cands))
     )
     smallest, choice = min_feasible_budget(g, order)
-    assert smallest == brute == remat_replay(g, order, choice).peak
+    assert smallest == brute == replay(g, order, dropped=choice).peak
     assert plan_remat(g, smallest, order).peak <= smallest
     with pytest.raises(BudgetTooSmall, match=f"smallest feasible budget for this step is .*{smallest} bytes") as err:
         plan_remat(g, smallest - 1, order)
@@ -166,18 +165,18 @@ def test_a_solver_that_finds_nothing_in_time_falls_back_to_the_lowest_peak_plan(
     order = list(range(len(g)))
     smallest, _ = min_feasible_budget(g, order)
     assert smallest < replay(g, order).peak
-    real_solve = remat._Model.solve
+    real_solve = remat.Model.solve
 
     def nothing_in_time(self, time_limit, hint, workers=8):
         if "peak" in {v.name for v in self.model.Proto().variables}:  # min_feasible_budget's model
             return real_solve(self, time_limit, hint, workers)
         return None, cp_model.UNKNOWN, None
 
-    monkeypatch.setattr(remat, "_greedy", lambda *args: None)
-    monkeypatch.setattr(remat._Model, "solve", nothing_in_time)
+    monkeypatch.setattr(remat, "greedy", lambda *args: None)
+    monkeypatch.setattr(remat.Model, "solve", nothing_in_time)
     plan = plan_remat(g, smallest, order)
     assert plan.method == "lowest-peak" and plan.peak <= smallest
-    assert remat_replay(g, order, plan.dropped).peak == plan.peak
+    assert replay(g, order, dropped=plan.dropped).peak == plan.peak
     with pytest.raises(BudgetTooSmall, match=f"\\({smallest} bytes\\)"):
         plan_remat(g, smallest - 1, order)
 
@@ -191,9 +190,10 @@ def test_long_chains_of_dropped_readers_build_without_recursion(monkeypatch):
     from ortools.sat.python import cp_model  # noqa: F401 - imported before the limit drops
 
     import planner.remat as remat
-    from planner.remat import RematPath, _allowed_candidates, _Model
+    from planner.remat import RematPath, _allowed_candidates
+    from planner.remat.model import Model as _Model
 
-    monkeypatch.setattr(remat, "MAX_CASCADE_PAIRS", 10**9)  # chains as long as the network
+    monkeypatch.setattr(remat.model, "MAX_CASCADE_PAIRS", 10**9)  # chains as long as the network
 
     g = training_graph(random.Random(0), depth=150)
     paths = [RematPath(g, list(range(len(g))))]
@@ -209,7 +209,7 @@ def test_long_chains_of_dropped_readers_build_without_recursion(monkeypatch):
 
 
 def test_the_simulator_follows_long_chains_of_dropped_readers_without_recursion():
-    """The same chains in the simulator (remat_replay): every forward activation dropped,
+    """The same chains in the simulator (replay): every forward activation dropped,
     under a recursion limit shorter than the chain."""
     import inspect
     import sys
@@ -220,7 +220,7 @@ def test_the_simulator_follows_long_chains_of_dropped_readers_without_recursion(
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(len(inspect.stack()) + 100)  # less than the chain is long
     try:
-        rep = remat_replay(g, order, dropped)
+        rep = replay(g, order, dropped=dropped)
     finally:
         sys.setrecursionlimit(limit)
     assert rep.peak < replay(g, order).peak and rep.extra_seconds == sum(c.seconds for c in dropped)
@@ -229,9 +229,9 @@ def test_the_simulator_follows_long_chains_of_dropped_readers_without_recursion(
 def _reach_of_chains(cands, dropped: set[int]) -> dict[int, int]:
     """For each dropped candidate, the rank (in the order) of the last candidate on a chain
     of dropped readers from it: what the model's span cap bounds."""
-    from planner.remat import _Cascade
+    from planner.candidates import Cascade
 
-    cascade = _Cascade(cands)
+    cascade = Cascade(cands)
     far: dict[int, int] = {}
     for c in sorted(cands, key=lambda c: -c.at):
         if c.op in dropped:
@@ -250,8 +250,8 @@ def test_a_capped_model_is_optimal_among_plans_within_its_span(seed, monkeypatch
 
     import planner.remat as remat
 
-    monkeypatch.setattr(remat, "MAX_CASCADE_PAIRS", 1)
-    monkeypatch.setattr(remat, "MIN_SPAN", 2)
+    monkeypatch.setattr(remat.model, "MAX_CASCADE_PAIRS", 1)
+    monkeypatch.setattr(remat.model, "MIN_SPAN", 2)
     rng = random.Random(300 + seed)
     g = training_graph(rng, depth=rng.randint(6, 9), skips=rng.randint(0, 2))
     order = list(range(len(g)))
@@ -263,7 +263,7 @@ def test_a_capped_model_is_optimal_among_plans_within_its_span(seed, monkeypatch
         return all(far[c.op] - rank[c.op] <= 2 for c in subset)
 
     plans = [
-        (remat_replay(g, order, list(s)).peak, sum(map(_cost, s)))
+        (replay(g, order, dropped=list(s)).peak, sum(map(_cost, s)))
         for k in range(len(cands) + 1)
         for s in itertools.combinations(cands, k)
         if within(s)
@@ -273,7 +273,7 @@ def test_a_capped_model_is_optimal_among_plans_within_its_span(seed, monkeypatch
     base = replay(g, order).peak
     for budget in sorted({smallest, (smallest + base) // 2, base - 1}):
         plan = plan_remat(g, budget, order)
-        assert plan.peak == remat_replay(g, order, plan.dropped).peak <= budget
+        assert plan.peak == replay(g, order, dropped=plan.dropped).peak <= budget
         cheapest = min(cost for peak, cost in plans if peak <= budget)
         if plan.method == "greedy":
             assert sum(map(_cost, plan.dropped)) <= cheapest
@@ -288,9 +288,10 @@ def test_a_large_graph_gets_a_model_linear_in_its_size_and_a_valid_plan(monkeypa
     uncapped chains would quadruple them), and its plans are still within budget by the exact
     simulator, reaching well below the unbudgeted peak."""
     import planner.remat as remat
-    from planner.remat import RematPath, _allowed_candidates, _Model
+    from planner.remat import RematPath, _allowed_candidates
+    from planner.remat.model import Model as _Model
 
-    monkeypatch.setattr(remat, "MAX_DENSE_TERMS", 0)
+    monkeypatch.setattr(remat.model, "MAX_DENSE_TERMS", 0)
 
     def model_terms(depth: int) -> tuple[int, _Model]:
         g = training_graph(random.Random(0), depth=depth, skips=depth // 10)
@@ -302,11 +303,11 @@ def test_a_large_graph_gets_a_model_linear_in_its_size_and_a_valid_plan(monkeypa
     small, _ = model_terms(300)
     large, model = model_terms(600)
     assert large < 2.3 * small
-    assert model.chain_span == remat.MAX_CASCADE_PAIRS // 600 and model.cascades[0].pairs() <= remat.MAX_CASCADE_PAIRS
+    assert model.chain_span == remat.model.MAX_CASCADE_PAIRS // 600 and model.cascades[0].pairs() <= remat.model.MAX_CASCADE_PAIRS
     g = training_graph(random.Random(0), depth=400, skips=40)
     order = list(range(len(g)))
     base = replay(g, order).peak
     smallest, dropped = min_feasible_budget(g, order, time_limit=10)
-    assert smallest == remat_replay(g, order, dropped).peak < base // 2
+    assert smallest == replay(g, order, dropped=dropped).peak < base // 2
     plan = plan_remat(g, (smallest + base) // 2, order, time_limit=10)
-    assert plan.peak == remat_replay(g, order, plan.dropped).peak <= (smallest + base) // 2
+    assert plan.peak == replay(g, order, dropped=plan.dropped).peak <= (smallest + base) // 2
