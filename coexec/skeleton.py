@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from executor import (
-    Drop, Executor, ExecutorError, Free, FreeRange, HostPool, Launch, Offload, Prefetch, ResetPeak,
-    Restore, Run, Wait,
+    Drop, Executor, ExecutorError, Follow, Free, FreeRange, HostPool, Launch, Offload, Prefetch,
+    ResetPeak, Restore, Run, Wait,
 )  # fmt: skip
-from planner import Schedule, Site, StorageKey
+from planner import Block, Schedule, Site, StorageKey
 from planner import Drop as PlannedDrop
 from planner import Offload as PlannedOffload
 from planner import Prefetch as PlannedPrefetch
@@ -35,6 +35,7 @@ from tracegraph.location import CODES
 from tracegraph.schema import TensorMeta, schema_of
 
 from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
+from .blocks import BlockIndex
 from .errors import ValueLostError
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
@@ -55,18 +56,30 @@ class Session:
     """
 
     def __init__(
-        self, executor: Executor, timeout: float, schedule: Schedule | None = None, arena: Any = None
+        self,
+        executor: Executor,
+        timeout: float,
+        schedule: Schedule | None = None,
+        arena: Any = None,
+        index: BlockIndex | None = None,
     ) -> None:
         self.executor = executor
         self.timeout = timeout
         self.schedule = schedule  # the plan in use (None: unplanned, ops run as issued)
         self.arena = arena  # its arena tensor, or None
         # under a memory budget: ops run as issued, with drops and moves after given sites;
-        # else, with a plan: block by block, each in its planned order (``blocks``)
+        # else, with a plan: block by block, each in its planned order (``index``, the plan's
+        # blocks: coexec/blocks.py)
         remat = schedule if schedule is not None and schedule.budget is not None else None
         self.remat = remat
-        self.blocks = schedule is not None and remat is None
-        self.block_sites: list[Site] = []  # the open block's ops (blocks mode)
+        self.index = index if remat is None else None
+        self.blocks = self.index is not None
+        # the open block: where its ops are in the index (None: in no planned block, its ops
+        # run as issued), the plan the executor runs ahead in, and whether ops were deferred
+        self.node = self.index.root if self.index is not None else None
+        self.following: Block | None = None
+        self.bound = 0
+        self.deferred = False
         self.base = next(_session_ids) * _VID_SPACE
         # per placeholder: [current value id, weak ref to the Python object, to the C++ tensor]
         self.tracked: list[list] = []
@@ -102,8 +115,6 @@ class Session:
 
     def submit(self, ins: Any) -> int:
         position = self.executor.submit(ins)
-        if self.blocks:
-            return position  # swept when the block closes
         self._until_sweep -= 1
         if self._until_sweep <= 0:
             self._until_sweep = SWEEP_EVERY
@@ -112,22 +123,37 @@ class Session:
                 self.executor.submit(Free(dead))
         return position
 
-    def run_deferred(self, ins: Run, site: Site) -> int:
-        """Queue an op of the open block (blocks mode)."""
-        self.block_sites.append(site)
-        return self.executor.submit(ins)
+    def enter(self, site: Site) -> bool:
+        """The next op of the open block is at ``site``: True if it is deferred to run in a
+        planned block's order (the executor is told which block to follow), False if it runs
+        as issued (the ops so far fit no planned block)."""
+        node = self.node
+        if node is None:
+            return False
+        nxt = node.children.get(site)
+        if nxt is None:  # no planned block goes on like this: the rest runs as issued
+            self.close_block()
+            self.node = None
+            return False
+        self.node = nxt
+        if (nxt.follow is not self.following or nxt.bound != self.bound):
+            self.following, self.bound = nxt.follow, nxt.bound
+            self.executor.submit(Follow(nxt.follow, nxt.bound))
+        self.deferred = True
+        return True
 
     def close_block(self) -> None:
-        """A sync point (planner.graph.sync_points): the executor runs the open block, in its
-        planned order when the schedule has this block (else as issued), after learning which
-        of the block's values Python let go of (they are freed after their last use)."""
-        if not self.block_sites:
-            return
-        dead = self.sweep()
-        if dead:
-            self.executor.submit(Free(dead))
-        key, self.block_sites = tuple(self.block_sites), []
-        self.executor.submit(Launch(self.schedule.order_of(key)))
+        """A sync point (planner.graph.sync_points): the executor runs what is left of the open
+        block, in its planned order when the ops make a planned block (else as issued), after
+        learning which of the block's values Python let go of (freed after their last use)."""
+        if self.deferred:
+            dead = self.sweep()
+            if dead:
+                self.executor.submit(Free(dead))
+            self.executor.submit(Launch(self.node.block if self.node is not None else None))
+            self.deferred = False
+        self.node = self.index.root if self.index is not None else None
+        self.following = None
 
     def wait(self, position: int) -> None:
         """Wait (as the skeleton) for the executor to reach ``position``."""
@@ -295,17 +321,16 @@ class Skeleton(Recorder):
                     key = StorageKey(node.id, k, its)
                     if key in remat.parked and (k >= len(node.out_alias) or node.out_alias[k] is None):
                         self._new_parked.append((rec.index, k, key))
-        run = Run(
-            func, ins_args, ins_kwargs, refs,
-            tuple(base + first + j for j in range(n_ret)),
-            tuple((base + x._vid, new) for x, new in moves),
-            rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(), recipe,
-            recipe and schema_of(func).random, session.blocks,
+        deferred = session.blocks and session.enter(Site(node.id, its))
+        position = session.submit(
+            Run(
+                func, ins_args, ins_kwargs, refs,
+                tuple(base + first + j for j in range(n_ret)),
+                tuple((base + x._vid, new) for x, new in moves),
+                rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(), recipe,
+                recipe and schema_of(func).random, deferred,
+            )
         )  # fmt: skip
-        if session.blocks:
-            position = session.run_deferred(run, Site(node.id, its))
-        else:
-            position = session.submit(run)
         if rec.index in self.trace.in_try:
             self._run_now(position, rec)
         for x, new in moves:
@@ -408,7 +433,7 @@ class Skeleton(Recorder):
             if type(planned) is PlannedDrop:
                 dropped.extend(vids)
             elif type(planned) is PlannedOffload:
-                session.submit(Offload(vids, planned.host_offset))
+                session.submit(Offload(vids, planned.host_offset, planned.host_bytes))
             elif type(planned) is PlannedPrefetch:
                 session.submit(Prefetch(vids))
             else:

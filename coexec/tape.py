@@ -14,6 +14,7 @@ merged. After ``max_traces`` new traces a program stays **eager** and says why, 
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from tracegraph.reasons import FallbackReason, why_new
 
 from . import observe, programs, runtime
 from .arena import iterations, sites, writable_ops
+from .blocks import BlockIndex
 from .causes import max_traces_message
 from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
@@ -72,6 +74,7 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
+    planned_path: int | None = None  # which planned path it took (tape.report()'s row), if one
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
     offloaded_storages: int = 0  # storages parked on the host in the latest step
     copy_wait_seconds: float = 0.0  # of the latest step: the executor waiting for copies
@@ -105,6 +108,7 @@ class Program:
         self.paths: list[PathInput] = []  # the observed paths, as the planner takes them
         self.schedule: Schedule | None = None  # the plan in use (None: unplanned, issue order)
         self.arena: torch.Tensor | None = None  # its arena, allocated whole
+        self.block_index: BlockIndex | None = None  # its blocks, for the skeleton (coexec/blocks.py)
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
@@ -231,13 +235,14 @@ class Program:
         self.futures, self.latest = [], None
         self.graph = TraceGraph()
         self.paths = []
-        self.schedule, self.arena = None, None
+        self.schedule, self.arena, self.block_index = None, None, None
         self.params = {}
 
     def _use_schedule(self, schedule: Schedule | None) -> None:
         """The plan from the next step on, with its arena, allocated once up front at exactly
         the planned size (it counts whole)."""
         self.schedule = schedule
+        self.block_index = BlockIndex(schedule.blocks) if schedule is not None and schedule.blocks else None
         if schedule is None or schedule.arena_bytes == 0:
             self.arena = None
         elif self.arena is None or self.arena.numel() != schedule.arena_bytes:
@@ -560,7 +565,7 @@ class _Step:
             runtime.set_active_skeleton(self.rec)
 
     def _new_session(self, program: Program) -> Session:
-        return Session(runtime.executor(), self.tape.timeout, program.schedule, program.arena)
+        return Session(runtime.executor(), self.tape.timeout, program.schedule, program.arena, program.block_index)
 
     # -- which program (coexec/programs.py) -------------------------------------------------
     def meet_parameter(self, t: torch.Tensor) -> None:
@@ -707,7 +712,7 @@ class _Step:
             program.add_path(sk.trace, signature)
             self._log(program.request_plan(program.budget, program.offload, program.use_arena))
 
-    @property
+    @functools.cached_property
     def signature(self) -> tuple:
         """The sites of the co-executed step's ops, in order (a planned path's, if it took one)."""
         from .budget import path_signature
@@ -729,7 +734,9 @@ class _Step:
         stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
         stats.planned_blocks = now.blocks - before.blocks
         stats.step_seconds = time.perf_counter() - self.t0
-        plan = session.schedule.path_plan(self.signature) if session.schedule is not None else None
+        path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
+        plan = session.schedule.paths[path] if path is not None else None
+        stats.planned_path = path
         stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
         stats.planned_step_seconds = plan.predicted_seconds if plan is not None else None
         runtime.unescape(leaves, optimizers)

@@ -12,13 +12,13 @@ from .memory import LiveBytes, ResetPeak, laid_out, span_bytes
 from .offload import HostPool, Offload, Prefetch, Wait, measure_bandwidth
 from .remat import Drop, Restore
 from .stream import (
-    Executor, ExecutorDied, ExecutorError, ExecutorStats, ExecutorTimeout, Free, FreeRange,
+    Executor, ExecutorDied, ExecutorError, ExecutorStats, ExecutorTimeout, Follow, Free, FreeRange,
     Instruction, Launch, Run, writes_in_place,
 )  # fmt: skip
 
 __all__ = [
     "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorStats", "ExecutorTimeout",
-    "Free", "FreeRange", "HostPool", "Instruction", "Launch", "LiveBytes", "Offload", "Prefetch",
+    "Follow", "Free", "FreeRange", "HostPool", "Instruction", "Launch", "LiveBytes", "Offload", "Prefetch",
     "ResetPeak", "Restore", "Run", "Wait", "laid_out", "measure_bandwidth", "span_bytes",
     "writes_in_place",
 ]  # fmt: skip

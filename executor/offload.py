@@ -27,10 +27,11 @@ import torch
 @dataclass(slots=True)
 class Offload:
     """Start copying the storage of these values (all of them) to ``[offset, offset+nbytes)``
-    of the host pool."""
+    of the host pool (a storage larger than its slice stays on the device)."""
 
     vids: tuple
     offset: int
+    nbytes: int
 
 
 @dataclass(slots=True)
@@ -149,7 +150,7 @@ class Offloads:
             return
         src = _bytes_of(ts[0][1])
         n = src.numel()
-        if ins.offset + n > self.pool.numel():
+        if n > ins.nbytes or ins.offset + n > self.pool.numel():
             return  # a storage larger than planned (another path): it stays on the device
         layouts = {v: (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride())) for v, t in ts}
         memory = self.memory

@@ -84,10 +84,20 @@ class Run:
 
 @dataclass(slots=True)
 class Launch:
-    """Run the deferred ops submitted since the last launch: in ``block.order`` when it is a
-    plan for exactly these ops, else in submission order."""
+    """The open block is complete: run its deferred ops not yet run, in ``block.order`` when
+    it is a plan for exactly these ops, else in submission order."""
 
     block: Block | None = None
+
+
+@dataclass(slots=True)
+class Follow:
+    """The open block is probably ``block``: run its deferred ops in ``block.order`` as they
+    arrive, as long as the executor then holds at most ``bound`` bytes (the least that any
+    planned block the skeleton may be in allows)."""
+
+    block: Block
+    bound: int
 
 
 @dataclass(slots=True)
@@ -112,7 +122,8 @@ class _Fault:
 
 
 Instruction = Union[
-    Run, Free, FreeRange, Launch, ResetPeak, HostPool, Offload, Wait, Prefetch, Drop, Restore, _Fault
+    Run, Free, FreeRange, Launch, Follow, ResetPeak, HostPool, Offload, Wait, Prefetch, Drop, Restore,
+    _Fault,
 ]
 
 
@@ -172,6 +183,10 @@ class _Worker:
         # launch), per value the deferred runs that read it, values they make, values Python
         # let go of while a deferred run still needs them (freed after the last one)
         self.block: list[Run] = []
+        self.ran: list[bool] = []  # per deferred run: run already (ahead of its launch)
+        self.following: Block | None = None  # the plan being run ahead in (Follow)
+        self.bound = 0
+        self.cursor = 0  # how far into the followed order it has run
         self.held = 0
         self.pending: dict[int, int] = {}
         self.future: set[int] = set()
@@ -179,7 +194,7 @@ class _Worker:
         self.blocks = 0
         self.handlers = {
             Run: self._on_run, Free: self._on_free, FreeRange: self._on_free_range,
-            Launch: self._on_launch, Drop: self._on_drop, Offload: self._on_offload,
+            Launch: self._on_launch, Follow: self._on_follow, Drop: self._on_drop, Offload: self._on_offload,
             Wait: self._on_wait, Prefetch: self._on_prefetch, HostPool: self._on_host_pool,
             ResetPeak: self._on_reset_peak, Restore: self._on_restore, _Fault: self._on_fault,
         }  # fmt: skip
@@ -233,6 +248,8 @@ class _Worker:
                 self.released.add(v)  # a deferred run still makes or reads it
             elif not (recipes and recipes.holds(v)):
                 self.free_value(v)
+        if self.following is not None:
+            self._advance()  # memory went down: maybe the next op fits
 
     def _on_free_range(self, ins: FreeRange) -> None:
         if self.block:
@@ -245,16 +262,22 @@ class _Worker:
         self.released = {v for v in self.released if not ins.lo <= v < ins.hi}
 
     def _on_launch(self, ins: Launch) -> None:
-        block, self.block = self.block, []
+        block, ran = self.block, self.ran
         order = ins.block.order if ins.block is not None else ()
         if len(order) == len(block):
-            block = [block[k] for k in order]
             self.blocks += 1
-        values = self.values
-        for run in block:
-            if self.error is None:
-                self.run(run, values)
-            self._retire(run)
+        else:
+            order = range(len(block))
+        for k in order:
+            if not ran[k]:
+                self._run_deferred(k)
+        self.block, self.ran, self.following, self.cursor = [], [], None, 0
+
+    def _on_follow(self, ins: Follow) -> None:
+        if ins.block is not self.following:
+            self.following, self.cursor = ins.block, 0
+        self.bound = ins.bound
+        self._advance()
 
     def _on_drop(self, ins: Drop) -> None:
         self.recipes.drop(ins.vids)
@@ -292,6 +315,7 @@ class _Worker:
     # -- the open block ------------------------------------------------------------------
     def _defer(self, ins: Run) -> None:
         self.block.append(ins)
+        self.ran.append(False)
         pending = self.pending
         for _arg, _item, vid in ins.refs:
             pending[vid] = pending.get(vid, 0) + 1
@@ -299,6 +323,45 @@ class _Worker:
             pending[old] = pending.get(old, 0) + 1
             self.future.add(new)
         self.future.update(ins.outs)
+        if self.following is not None:
+            self._advance()
+
+    def _advance(self) -> None:
+        """Run the followed block's ops in its order while they have arrived and the bytes
+        held stay within the bound (a value Python let go of late, or an arena region still
+        taken, can make the next op wait for the skeleton's frees or the block's launch)."""
+        order, block, ran = self.following.order, self.block, self.ran
+        news = self.following.new_bytes
+        memory = self.memory
+        while self.cursor < len(order) and self.error is None:
+            k = order[self.cursor]
+            if k >= len(block):
+                return  # not issued yet
+            if not ran[k]:
+                extra = news[k] if k < len(news) else 0
+                if memory.live + extra > self.bound or not self._arena_ready(block[k]):
+                    return
+                self._run_deferred(k)
+            self.cursor += 1
+
+    def _arena_ready(self, ins: Run) -> bool:
+        """Are an op's planned arena regions free? (Run ahead into a region that a value
+        Python has not let go of yet still holds, the output would go to the allocator, and
+        stay there, over the plan, for the rest of the step: the op waits instead.)"""
+        if ins.arena_out is None or self.memory.arena is None:
+            return True
+        out_func, _names, outs = ins.arena_out
+        if out_func in _NOT_IN_PLACE:
+            return True  # (planned there, but it lays out otherwise: the allocator, as planned for)
+        memory = self.memory
+        return all(memory.free(offset, span_bytes(shape, stride, dtype)) for offset, shape, stride, dtype in outs)
+
+    def _run_deferred(self, k: int) -> None:
+        run = self.block[k]
+        self.ran[k] = True
+        if self.error is None:
+            self.run(run, self.values)
+        self._retire(run)
 
     def _retire(self, ins: Run) -> None:
         """A deferred run ran (or was skipped after an error): the values it read or made
@@ -602,7 +665,8 @@ class Executor:
             w.memory.__init__()
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
             w.offloads.clear()
-            w.block, w.held, w.pending, w.future, w.released = [], 0, {}, set(), set()
+            w.block, w.ran, w.held, w.pending, w.future, w.released = [], [], 0, {}, set(), set()
+            w.following, w.cursor = None, 0
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""

@@ -19,6 +19,7 @@ ResNet-50's 1215 ops. (The two also cannot share a process: OR-Tools bundles its
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from dataclasses import dataclass
 
@@ -95,6 +96,97 @@ def topological(g: PlanningGraph) -> list[int]:
     if len(topo) != n:
         raise ValueError("the planning graph has a cycle")
     return topo
+
+
+def issue_order_within(g: PlanningGraph, cap: int, prefix: int = 0) -> list[int]:
+    """List scheduling that runs the earliest-issued ready op while the live bytes stay within
+    ``cap`` (persistent state apart; the first ``prefix`` ops of the issue order always), and
+    otherwise the ready op that leaves the fewest live bytes (:func:`greedy_order`'s choice).
+    Orders of the same peak differ in how long they keep to the issue order, and the executor
+    runs a block's ops ahead of its launch only where the plan has them in issue order. The
+    caller checks the peak (the cap may be missed where the issue order ran into a corner)."""
+    n = len(g.ops)
+    storages = g.storages
+    indeg = [len(p) for p in g.preds]
+    remaining = {sid: len(set(st.uses) - {st.producer}) for sid, st in storages.items()}
+    ready = [v for v in range(n) if indeg[v] == 0]
+    heapq.heapify(ready)
+    live = 0
+    order: list[int] = []
+
+    def effect(v: int) -> tuple[int, int]:
+        node = g.ops[v]
+        alloc = sum(storages[x].nbytes for x in node.allocates if storages[x].kind != PERSISTENT)
+        freed = 0
+        for x in node.uses:
+            st = storages[x]
+            if st.kind in (PERSISTENT, ESCAPING) or st.producer == v:
+                continue
+            if remaining[x] == 1:
+                freed += st.nbytes
+        freed += sum(
+            storages[x].nbytes for x in node.allocates if remaining[x] == 0 and storages[x].kind == LOCAL
+        )
+        return alloc, freed
+
+    while ready:
+        v = ready[0]
+        alloc, freed = effect(v)
+        if v >= prefix and live + alloc > cap:  # the issue order would go over: free memory first
+            best_key = None
+            for u in ready:
+                a, f = effect(u)
+                if best_key is None or (a - f, u) < best_key:
+                    v, best_key, alloc, freed = u, (a - f, u), a, f
+            ready.remove(v)
+            heapq.heapify(ready)
+        else:
+            heapq.heappop(ready)
+        live += alloc - freed
+        order.append(v)
+        for x in g.ops[v].uses:
+            if storages[x].producer != v and x in remaining:
+                remaining[x] -= 1
+        for w in g.succs[v]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                heapq.heappush(ready, w)
+    if len(order) != n:
+        raise ValueError("the planning graph has a cycle")
+    return order
+
+
+def streamed(order: Sequence[int], window: int = 16) -> int:
+    """How many ops of ``order`` the executor can run within ``window`` ops of their issue,
+    that is, without waiting for the skeleton to issue far ahead."""
+    reach, count = -1, 0
+    for p, v in enumerate(order):
+        reach = max(reach, v)
+        count += reach - p < window
+    return count
+
+
+def lazy_order(g: PlanningGraph, peak: int, peak_of) -> list[int] | None:
+    """An order of peak at most ``peak`` (``peak_of(order)``, persistent state included) that
+    keeps to the issue order as long as it can: the issue order within that many live bytes,
+    else the issue order for as long a prefix as leaves the greedy order to reach the peak
+    (found by bisection); the one that streams more. None if neither reaches the peak."""
+    cap = peak - g.persistent_bytes
+    found = []
+    within = issue_order_within(g, cap)
+    if peak_of(within) <= peak:
+        found.append(within)
+    lo, hi, best = 0, len(g.ops), None  # the longest issue-order prefix that still reaches it
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        order = issue_order_within(g, cap, prefix=mid) if mid else greedy_order(g)
+        if peak_of(order) <= peak:
+            best, lo = order, mid + 1
+        else:
+            hi = mid - 1
+    if best is not None:
+        found.append(best)
+    return max(found, key=streamed, default=None)
 
 
 def _ancestor_counts(g: PlanningGraph) -> tuple[list[int], list[int]]:
@@ -184,6 +276,7 @@ def block_order(
     forced: Mapping[int, Sequence[int]] | None = None,
     time_limit: float = 0.0,
     max_solver_ops: int = 1500,
+    lazy: bool = True,
 ) -> OrderResult:
     """The order that minimises the peak when the path runs block by block
     (``g.execution.blocks``): every block of ``g.block_starts`` stays contiguous, and a storage
@@ -195,7 +288,8 @@ def block_order(
     the block before it, before every op of the block after it; it uses the storages held until
     the next block starts), so :func:`greedy_order` and :func:`optimal_order` see the blocks
     without knowing of them; CP-SAT runs only with a ``time_limit`` and up to
-    ``max_solver_ops`` ops. Never worse than the issue order."""
+    ``max_solver_ops`` ops. With ``lazy``, among orders of the same peak one that keeps to the
+    issue order longer (:func:`lazy_order`). Never worse than the issue order."""
     t0 = time.perf_counter()
     forced = forced or {}
     n = len(g)
@@ -204,12 +298,25 @@ def block_order(
     if n < 2:
         return OrderResult(issue, issue_peak, "eager", time.perf_counter() - t0)
     gb, real = _with_barriers(g, forced)
+
+    def real_order(order: list[int]) -> list[int]:
+        return [real[v] for v in order if real[v] is not None]
+
+    def peak_of(order: list[int]) -> int:
+        return replay(g, real_order(order), check_order=False).peak
+
     best = greedy_order(gb)
     method, gap = "greedy", None
     if time_limit > 0 and len(gb) <= max_solver_ops:
         found = optimal_order(gb, time_limit=time_limit, warm=best, workers=1)
         best, method, gap = found.order, found.method, found.gap
-    order = [real[v] for v in best if real[v] is not None]
+    # among the orders of that peak, one that keeps to the issue order longer (executed
+    # ahead of its block's launch: docs/coexec.md, "Blocks")
+    if lazy:
+        kept = lazy_order(gb, peak_of(best), peak_of)
+        if kept is not None and streamed(real_order(kept)) > streamed(real_order(best)):
+            best, method = kept, f"{method}, lazy"
+    order = real_order(best)
     peak = replay(g, order).peak
     if peak > issue_peak and not forced:
         return OrderResult(issue, issue_peak, "eager", time.perf_counter() - t0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tracegraph import Trace
 
@@ -135,46 +135,82 @@ def _block_keys(g: PlanningGraph, sites: tuple) -> list[BlockKey]:
 
 # -- without a budget: blocks in a planned order, one arena -----------------------------------
 def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
+    """Each block in its least-memory order, the arena placed for those orders. Planned twice:
+    with orders that keep to the issue order as long as the peak allows (the executor runs
+    those ops ahead, beside the skeleton), and with the plain greedy orders; the first unless
+    its arena packs worse."""
     preps = [_prepared(p) for p in paths]
     graphs = [pr.g.with_execution(Execution(blocks=True)) for pr in preps]
-    orders = _block_orders(graphs, [pr.sites for pr in preps], settings.order_seconds)
-    path_orders, blocks = [], {}
+    sites = [pr.sites for pr in preps]
+    lazy = _orders_schedule(graphs, preps, _block_orders(graphs, sites, settings.order_seconds, True), settings)
+    plain = _orders_schedule(graphs, preps, _block_orders(graphs, sites, settings.order_seconds, False), settings)
+    return lazy if lazy.peak <= plain.peak else plain
+
+
+def _orders_schedule(graphs: list[PlanningGraph], preps: list[_Prepared], orders: "_Orders", settings: Settings) -> Schedule:
+    path_orders = []
     for g, pr in zip(graphs, preps):
         order: list[int] = []
         for block, key in zip(g.blocks(), _block_keys(g, pr.sites)):
-            rel = orders.get(key)
-            if rel is None:
-                order.extend(block)
-            else:
-                order.extend(block.start + k for k in rel)
-                blocks[key] = Block(key, rel)
+            order.extend(block.start + k for k in orders.get(key, range(len(block))))
         path_orders.append(order)
     replays = [replay(g, order) for g, order in zip(graphs, path_orders)]
     arena = None
     if settings.arena:
         arena = _place_arena(graphs, preps, path_orders, [r.segments for r in replays])
-    plans = []
+    arena_bytes = arena.arena_bytes if arena is not None else 0
+    plans, blocks = [], {}
     for g, pr, order, rep in zip(graphs, preps, path_orders, replays):
         offsets = {}
         if arena is not None:
             offsets = {sid: arena.offsets[k] for sid, k in pr.keys.items() if k in arena.offsets}
         checked = replay(g, order, offsets, arena_bytes=arena.arena_bytes if arena else None, partial=True)
         placed = frozenset(offsets)
-        _inside, outside = split_peaks(g, order, rep.segments, placed)
-        peak = rep.peak if arena is None else max(rep.peak, g.persistent_bytes + arena.arena_bytes + outside)
+        held = _held_outside(g, rep.segments, placed, arena_bytes)  # per position, as counted
+        for block, key in zip(g.blocks(), _block_keys(g, pr.sites)):
+            bound = max(held[p] for p in block)  # (positions of a block are the same in the order)
+            known = blocks.get(key)
+            if known is None:
+                rel = orders.get(key, tuple(range(len(block))))
+                new = tuple(
+                    sum(g.storages[sid].nbytes for sid in g.ops[v].allocates if sid not in placed) for v in block
+                )
+                blocks[key] = Block(key, tuple(rel), bound, new)
+            elif bound < known.bound:
+                blocks[key] = replace(known, bound=bound)
+        peak = rep.peak if arena is None else max(rep.peak, g.persistent_bytes + max(held, default=0))
         eager = replay(pr.g, list(range(len(g))), check_order=False).peak
         seconds, _stall = predict_seconds(g, order, {}, [])
-        moved = sum(1 for key in _block_keys(g, pr.sites) if key in blocks)
+        moved = sum(1 for key in _block_keys(g, pr.sites) if key in orders)
         plans.append(PathPlan(len(order), moved, eager, peak, checked.arena_end, seconds))
     return Schedule(
         blocks=blocks,
         offsets=dict(arena.offsets) if arena is not None else {},
-        arena_bytes=arena.arena_bytes if arena is not None else 0,
+        arena_bytes=arena_bytes,
         arena_live=arena.local_peak if arena is not None else 0,
         paths=tuple(plans),
         signatures={pr.sites: i for i, pr in enumerate(preps)},
         methods=tuple(sorted(set(_methods(orders)))),
     )
+
+
+def _held_outside(g: PlanningGraph, segments: dict, placed: frozenset, arena_bytes: int) -> list[int]:
+    """Per position, the device bytes as the executor counts them: the whole arena, plus the
+    storages outside it that are resident (the step's own; persistent state apart)."""
+    n = len(g)
+    delta = [0] * (n + 1)
+    for sid, spans in segments.items():
+        if sid in placed:
+            continue
+        size = g.storages[sid].nbytes
+        for a, b in spans:
+            delta[a] += size
+            delta[b + 1] -= size
+    out, run = [], arena_bytes
+    for p in range(n):
+        run += delta[p]
+        out.append(run)
+    return out
 
 
 class _Orders(dict):
@@ -183,7 +219,7 @@ class _Orders(dict):
     how: dict
 
 
-def _block_orders(graphs: list[PlanningGraph], sites: list[tuple], seconds: float) -> _Orders:
+def _block_orders(graphs: list[PlanningGraph], sites: list[tuple], seconds: float, lazy: bool) -> _Orders:
     """One order per distinct block over every path: solved on the first path that has the
     block and kept by the others (a block whose order is not valid on another path, where
     the same sites read other values, runs in the issue order everywhere). Blocks whose best
@@ -203,7 +239,7 @@ def _block_orders(graphs: list[PlanningGraph], sites: list[tuple], seconds: floa
                 forced[k] = chosen[key]
         if len(forced) == len(blocks):
             continue
-        found = block_order(g, forced, time_limit=per_path)
+        found = block_order(g, forced, time_limit=per_path, lazy=lazy)
         pos = {v: i for i, v in enumerate(found.order)}
         for block, key in zip(blocks, keys):
             if key not in chosen:
@@ -307,10 +343,11 @@ def _budget_schedule(budget, rpaths, preps, plans, drop_at, moved_at, arena_plan
     parked, host_bytes = set(), 0
     for key, ((offload_at, wait_at, prefetch_at), nbytes) in ((k, next(iter(v))) for k, v in moved_at.items()):
         parked.add(key)
-        after.setdefault(offload_at, []).append(Offload(key, host_bytes))
+        size = -(-nbytes // 512) * 512  # slices aligned for fast copies
+        after.setdefault(offload_at, []).append(Offload(key, host_bytes, size))
         after.setdefault(wait_at, []).append(WaitOffload(key))
         after.setdefault(prefetch_at, []).append(Prefetch(key))
-        host_bytes += -(-nbytes // 512) * 512  # slices aligned for fast copies
+        host_bytes += size
     for key, (site,) in drop_at.items():
         drops.setdefault(site, []).append(Drop(key))
     for site, ds in drops.items():  # moves first, then drops (as the executor expects them)
@@ -415,8 +452,6 @@ def _fill_from_traced(paths: list[RematPath], storage_keys: list[dict], traces: 
 
 
 def _with_seconds(s: Schedule, seconds: float) -> Schedule:
-    from dataclasses import replace
-
     return replace(s, planning_seconds=seconds)
 
 

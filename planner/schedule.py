@@ -84,6 +84,7 @@ class Offload:
 
     storage: StorageKey
     host_offset: int
+    host_bytes: int  # the slice's size
 
 
 @dataclass(frozen=True)
@@ -104,12 +105,21 @@ class Prefetch:
 AfterOp = Union[Drop, Offload, WaitOffload, Prefetch]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Block:
-    """The ops between two sync points and the order the executor runs them in."""
+    """The ops between two sync points and the order the executor runs them in.
+
+    ``bound``: the most device bytes the block holds at once in the plan, as the executor
+    counts them (the whole arena, plus every storage outside it), on the path where that is
+    least; ``new_bytes``: per op (by issue position in the block), the bytes of the storages
+    it allocates outside the arena. The executor may run a block's ops before the block is
+    complete, in ``order``, as long as it holds no more than ``bound``. Blocks are compared
+    by identity (their ``sites`` can be thousands long; the Schedule has one per key)."""
 
     sites: BlockKey
     order: tuple[int, ...]  # indices into ``sites``: the planned order (a topological order)
+    bound: int = 0
+    new_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,7 +176,7 @@ class Schedule:
         return self.arena_bytes / self.arena_live - 1 if self.arena_live else 0.0
 
     def order_of(self, key: BlockKey) -> Block | None:
-        """The block with these sites, if its order is planned (else: issue order)."""
+        """The block with these sites, if it is planned (else: issue order)."""
         return self.blocks.get(key)
 
     def path_plan(self, signature: tuple) -> PathPlan | None:
@@ -187,7 +197,8 @@ class Schedule:
                 f"{len(self.parked)} offloaded"
             )
         else:
-            parts.append(f"{len(self.blocks)} block(s) in a planned order")
+            moved = sum(b.order != tuple(range(len(b.order))) for b in self.blocks.values())
+            parts.append(f"{moved} of {len(self.blocks)} block(s) reordered")
         if self.arena_bytes:
             parts.append(
                 f"arena {format_bytes(self.arena_bytes)} ({100 * self.fragmentation:.1f}% fragmentation)"

@@ -79,7 +79,7 @@ def test_a_prefetched_storage_comes_back_to_the_arena_bytes_it_left(ex):
     ex.drain(10)
     kept = ex._w.values[1].clone()
     live = ex._w.memory.live
-    ex.submit(Offload((1, 2), 0))
+    ex.submit(Offload((1, 2), 0, N))
     ex.submit(Wait((1, 2)))
     ex.drain(10)
     assert ex._w.memory.free(0, N) and ex._w.memory.live == live  # the arena's bytes are not returned
@@ -98,7 +98,7 @@ def test_a_prefetch_whose_arena_bytes_are_taken_uses_the_allocator(ex):
     ex.submit(into(arena, aten.clone.default, aten.clone.out, torch.randn(256, 256), outs=[1], offset=0))
     ex.drain(10)
     kept = ex._w.values[1].clone()
-    ex.submit(Offload((1,), 0))
+    ex.submit(Offload((1,), 0, N))
     ex.submit(Wait((1,)))
     ex.submit(into(arena, aten.clone.default, aten.clone.out, torch.zeros(256, 256), outs=[2], offset=0))
     ex.submit(Prefetch((1,)))

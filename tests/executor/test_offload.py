@@ -21,7 +21,7 @@ def test_an_offloaded_storage_leaves_the_device_and_comes_back_equal_with_its_vi
     ex.submit(run(aten.t.default, V(1), outs=[2]))  # a view of 1: same storage
     ex.drain(10)
     kept = ex._w.values[1].clone()
-    ex.submit(Offload((1, 2), 0))
+    ex.submit(Offload((1, 2), 0, N))
     ex.submit(Wait((1, 2)))
     ex.drain(10)
     assert 1 not in ex._w.values and 2 not in ex._w.values and ex._w.memory.live == 0
@@ -40,7 +40,7 @@ def test_an_offloaded_storage_leaves_the_device_and_comes_back_equal_with_its_vi
 def test_a_parked_value_read_before_its_prefetch_is_copied_back_on_the_spot(ex):
     ex.submit(HostPool(N))
     ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
-    ex.submit(Offload((1,), 0))
+    ex.submit(Offload((1,), 0, N))
     ex.submit(Wait((1,)))
     ex.submit(run(aten.neg.default, V(1), outs=[2]))
     ex.drain(10)
@@ -51,7 +51,7 @@ def test_a_parked_value_read_before_its_prefetch_is_copied_back_on_the_spot(ex):
 def test_a_write_during_the_copy_out_keeps_the_value_on_the_device(ex):
     ex.submit(HostPool(N))
     ex.submit(run(aten.ones.default, [256, 256], outs=[1]))
-    ex.submit(Offload((1,), 0))
+    ex.submit(Offload((1,), 0, N))
     # an in-place write renames value 1 to 2 (the skeleton's "move"): the copy is stale
     ex.submit(Run_move(aten.add_.Tensor, 1, 2, 1.0))
     ex.submit(Wait((1,)))
@@ -70,8 +70,8 @@ def test_freeing_and_restoring_parked_values(ex):
     ex.submit(HostPool(2 * N))
     ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
     ex.submit(run(aten.randn.default, [256, 256], outs=[2]))
-    ex.submit(Offload((1,), 0))
-    ex.submit(Offload((2,), N))
+    ex.submit(Offload((1,), 0, N))
+    ex.submit(Offload((2,), N, N))
     ex.submit(Wait((1,)))
     ex.submit(Wait((2,)))
     ex.submit(Free((1,)))  # Python let go of a parked value: nothing to bring back
@@ -118,7 +118,7 @@ def test_any_interleaving_of_moves_reads_writes_and_frees_keeps_values_and_count
             if s == "freed":
                 continue
             if event == "offload" and s == "device":
-                ex.submit(Offload((v,), k * n))
+                ex.submit(Offload((v,), k * n, n))
                 state[k] = "out"
             elif event == "wait" and s == "out":
                 ex.submit(Wait((v,)))
@@ -155,3 +155,18 @@ def test_any_interleaving_of_moves_reads_writes_and_frees_keeps_values_and_count
                 assert torch.equal(ex._w.values[fresh], expected[k])
     finally:
         ex.close()
+
+
+def test_a_storage_larger_than_its_slice_of_the_pool_stays_on_the_device(ex):
+    """(A path may make a storage larger than the plan's: copied into its slice it would
+    overwrite the next one.)"""
+    ex.submit(HostPool(2 * N))
+    ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
+    ex.submit(run(aten.randn.default, [256, 256], outs=[2]))
+    ex.submit(Offload((1,), 0, N // 2))  # a slice of half its size
+    ex.submit(Offload((2,), N // 2, N))
+    ex.submit(Wait((1,)))
+    ex.submit(Wait((2,)))
+    ex.drain(10)
+    assert 1 in ex._w.values and 2 not in ex._w.values
+    assert ex.stats().offloaded == 1 and ex._w.memory.live == N

@@ -1,0 +1,136 @@
+"""Blocks on the executor: deferred ops run at their block's launch in its planned order, a value
+Python let go of is freed after its last use in that order, and a followed block runs ahead as
+its ops arrive while the bytes held stay within its bound."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from executor import ExecutorError, Follow, Free, Launch, Run
+from planner import Block, Site
+from tests.executor.test_recompute import V
+
+aten = torch.ops.aten
+N = 256 * 256 * 4  # bytes of a 256x256 float tensor
+
+
+def deferred(func, *refs_or_args, outs, index):
+    """A deferred Run of ``func``; ``V(id)`` arguments are values of the executor."""
+    args, refs = [], []
+    for i, a in enumerate(refs_or_args):
+        if isinstance(a, V):
+            refs.append((i, -1, a))
+            args.append(None)
+        else:
+            args.append(a)
+    return Run(func, args, {}, tuple(refs), tuple(outs), op_index=index, deferred=True)
+
+
+def block(order, bound=0, new=()):
+    return Block(tuple(Site(k, ()) for k in range(len(order))), tuple(order), bound, tuple(new))
+
+
+@pytest.fixture
+def ran(ex, monkeypatch):
+    """The op indices the executor runs, in the order it runs them."""
+    seen = []
+    real = type(ex._w).run
+
+    def spy(self, ins, values):
+        seen.append(ins.op_index)
+        return real(self, ins, values)
+
+    monkeypatch.setattr(type(ex._w), "run", spy)
+    return seen
+
+
+def two_branches(ex):
+    """0: x = ones; 1: a = x * 2 (a big temporary); 2: s = a.sum(); 3: b = x * 3; 4: t = b.sum()."""
+    ex.submit(deferred(aten.ones.default, [256, 256], outs=[1], index=0))
+    ex.submit(deferred(aten.mul.Tensor, V(1), 2.0, outs=[2], index=1))
+    ex.submit(deferred(aten.sum.default, V(2), outs=[3], index=2))
+    ex.submit(deferred(aten.mul.Tensor, V(1), 3.0, outs=[4], index=3))
+    ex.submit(deferred(aten.sum.default, V(4), outs=[5], index=4))
+
+
+def test_a_launched_block_runs_in_its_planned_order_with_the_same_values(ex, ran):
+    two_branches(ex)
+    ex.submit(Free((2, 4)))  # Python let go of both temporaries inside the block
+    assert ran == []  # nothing runs before the block is launched
+    ex.submit(Launch(block((0, 3, 4, 1, 2))))
+    ex.drain(10)
+    assert ran == [0, 3, 4, 1, 2]
+    assert ex._w.values[3].item() == 2 * 256 * 256 and ex._w.values[5].item() == 3 * 256 * 256
+    assert 2 not in ex._w.values and 4 not in ex._w.values  # freed after their last use
+    # each temporary was freed before the other was made: x and one temporary at most
+    assert ex._w.memory.peak == 2 * N + 8
+    assert ex.stats().blocks == 1
+
+
+def test_in_issue_order_the_same_block_holds_both_temporaries_until_python_lets_go(ex, ran):
+    two_branches(ex)
+    ex.submit(Launch(None))  # no plan for this block: as issued
+    ex.submit(Free((2, 4)))
+    ex.drain(10)
+    assert ran == [0, 1, 2, 3, 4]
+    assert ex._w.memory.peak == 3 * N + 8 and ex.stats().blocks == 0
+
+
+def test_a_plan_for_other_ops_is_not_used(ex, ran):
+    two_branches(ex)
+    ex.submit(Launch(block((1, 0))))  # two ops planned, five deferred: issue order
+    ex.drain(10)
+    assert ran == [0, 1, 2, 3, 4]
+
+
+def test_waiting_for_a_deferred_op_launches_its_block(ex, ran):
+    two_branches(ex)
+    position = ex.submit(deferred(aten.sum.default, V(5), outs=[6], index=5))
+    ex.wait(position, 10)  # no launch was sent: the wait sends one (issue order)
+    assert ran == [0, 1, 2, 3, 4, 5] and ex._w.values[6].item() == 3 * 256 * 256
+
+
+def settled(ex, seen: list, count: int) -> list:
+    """What ``seen`` holds once the executor ran ``count`` ops and then went idle."""
+    deadline = time.monotonic() + 10
+    while len(seen) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # (and nothing more came)
+    return list(seen)
+
+
+def test_a_followed_block_runs_ahead_within_its_bound_and_waits_for_frees(ex, ran):
+    plan = block((0, 1, 2, 3, 4), new=(N, N, 4, N, 4))
+    ex.submit(Follow(plan, 2 * N + 8))  # room for x, one temporary and its sum
+    two_branches(ex)
+    # x, a and s run as they arrive; b would hold x, a, s and b: over the bound, it waits
+    assert settled(ex, ran, 3) == [0, 1, 2]
+    ex.submit(Free((2,)))  # Python let go of a: b fits now, and then t
+    assert settled(ex, ran, 5) == [0, 1, 2, 3, 4]
+    ex.submit(Launch(plan))
+    ex.drain(10)
+    assert ran == [0, 1, 2, 3, 4] and ex._w.values[5].item() == 3 * 256 * 256
+    assert ex._w.memory.peak == 2 * N + 4 + 4  # within the bound throughout
+
+
+def test_a_block_that_turns_out_another_finishes_in_issue_order(ex, ran):
+    ex.submit(Follow(block((0, 3, 4, 1, 2), new=(N, N, 4, N, 4)), 10 * N))
+    two_branches(ex)
+    assert settled(ex, ran, 5) == [0, 3, 4, 1, 2]  # ahead, in the followed order
+    ex.submit(deferred(aten.neg.default, V(1), outs=[6], index=5))  # a sixth op: not that block
+    ex.submit(Launch(None))
+    ex.drain(10)
+    assert ran == [0, 3, 4, 1, 2, 5] and ex._w.values[3].item() == 2 * 256 * 256
+
+
+def test_an_op_failing_in_a_block_stops_the_rest_of_it(ex, ran):
+    ex.submit(deferred(aten.ones.default, [4], outs=[1], index=0))
+    ex.submit(deferred(aten.index_select.default, V(1), 0, torch.tensor([7]), outs=[2], index=1))
+    ex.submit(deferred(aten.neg.default, V(1), outs=[3], index=2))
+    ex.submit(Launch(block((0, 1, 2))))
+    with pytest.raises(ExecutorError, match="index_select") as err:
+        ex.drain(10)
+    assert err.value.op_index == 1 and ran == [0, 1] and 3 not in ex._w.values
