@@ -2,10 +2,11 @@
 
     python bench/planned_memory.py [--models resnet18,mlp] [--batches 1,32] [--pairs 7] [--out bench/out]
 
-Per zoo model and batch size, two copies of the model from the same seed train side by side in
-one process, one eagerly and one under ``coexec.GradientTape()`` (no budget: the planned order
-and the arena). After the coexec run's plan has arrived (``coexec.wait_for_plans``), the two
-take ``--pairs`` steps alternately. Columns:
+Per zoo model and batch size, copies of the model from the same seed train side by side in one
+process, each drawing from its own random stream: one eagerly, one under
+``coexec.GradientTape()`` (no budget: the planned order and the arena), one without a plan.
+After the coexec run's plan has arrived (``coexec.wait_for_plans``), they take ``--pairs``
+steps in turn. Columns:
 
 * ``eager MB``: eager PyTorch's resident peak of one step, persistent state included
   (``planner.tracker.eager_peak``, the live-storage tracker);
@@ -16,6 +17,9 @@ take ``--pairs`` steps alternately. Columns:
 * ``vs planned``: measured / planned; ``reduction``: 1 - measured / eager;
 * ``frag %``: the arena's bytes over the most its storages hold at once, minus 1;
 * ``eager ms``: the median eager step; ``coexec/eager``: the median of the paired ratios;
+* ``unplanned/eager``, ``unplanned MB``: a third copy under ``GradientTape(arena=False)``, the
+  runtime without a plan (ops run as issued, every output from the allocator), in the same
+  pairs: what the plan costs or saves in time, side by side;
 * ``bit-equal``: parameters and losses of the two copies after the run.
 
 Prints a Markdown table and a summary, and writes ``planned_memory.md`` to ``--out``.
@@ -69,8 +73,9 @@ class OwnRandomStream:
 
 
 def measure(name: str, batch: int, pairs: int) -> dict:
-    eager, co = ZOO[name](batch), ZOO[name](batch)
+    eager, co, unplanned = ZOO[name](batch), ZOO[name](batch), ZOO[name](batch)
     tape = coexec.GradientTape(key=("planned-memory", name, batch))
+    loose = coexec.GradientTape(key=("planned-memory", name, batch, "unplanned"), arena=False)
     eager.step = OwnRandomStream()(eager.step)
     own = OwnRandomStream()
 
@@ -79,21 +84,30 @@ def measure(name: str, batch: int, pairs: int) -> dict:
         with tape:
             return co.step()
 
+    @OwnRandomStream()
+    def unplanned_step() -> torch.Tensor:
+        with loose:
+            return unplanned.step()
+
     losses_e, losses_c = [], []
     for _ in range(3):  # traced, traced (momentum appears), covered
         losses_e.append(eager.step())
         losses_c.append(coexec_step())
+        unplanned_step()
     coexec.wait_for_plans()
     losses_e.append(eager.step())
     losses_c.append(coexec_step())  # the first step on the plan
     peak_eager = eager_peak(lambda: losses_e.append(eager.step()))  # two steps of its own...
     losses_c += [coexec_step(), coexec_step()]  # ...matched here
-    t_e, t_c = [], []
+    unplanned_step()
+    t_e, t_c, t_u = [], [], []
     for _ in range(pairs):
         te, le = timed(eager.step)
         tc, lc = timed(coexec_step)
+        tu, _lu = timed(unplanned_step)
         t_e.append(te)
         t_c.append(tc)
+        t_u.append(tu)
         losses_e.append(le)
         losses_c.append(lc)
     s = tape.stats
@@ -114,6 +128,8 @@ def measure(name: str, batch: int, pairs: int) -> dict:
         "frag %": 100 * schedule.fragmentation if schedule is not None else float("nan"),
         "eager ms": 1e3 * statistics.median(t_e),
         "coexec/eager": statistics.median(c / e for c, e in zip(t_c, t_e)),
+        "unplanned/eager": statistics.median(u / e for u, e in zip(t_u, t_e)),
+        "unplanned MB": loose.stats.peak_bytes / MB,
         "planned blocks": getattr(s, "planned_blocks", 0),
         "bit-equal": same,
     }
@@ -143,7 +159,8 @@ def main() -> None:
             f"({min(red):.1f}-{max(red):.1f}%), measured/planned at most "
             f"{max(r['vs planned'] for r in sel):.4f}, above eager on {sum(r['reduction %'] < 0 for r in sel)} "
             f"model(s), coexec/eager geometric mean "
-            f"{statistics.geometric_mean([r['coexec/eager'] for r in sel]):.2f}, "
+            f"{statistics.geometric_mean([r['coexec/eager'] for r in sel]):.2f} (unplanned "
+            f"{statistics.geometric_mean([r['unplanned/eager'] for r in sel]):.2f}), "
             f"bit-equal {sum(r['bit-equal'] for r in sel)}/{len(sel)}"
         )
     text = "\n".join(lines)

@@ -23,7 +23,7 @@ import torch
 
 from executor import (
     Drop, Executor, ExecutorError, Follow, Free, FreeRange, HostPool, Launch, Offload, Prefetch,
-    ResetPeak, Restore, Run, Wait,
+    ResetPeak, Restore, Run, Wait, span_bytes,
 )  # fmt: skip
 from planner import Block, Schedule, Site, StorageKey
 from planner import Drop as PlannedDrop
@@ -40,6 +40,7 @@ from .errors import ValueLostError
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
 
+_UNKNOWN = object()
 _session_ids = itertools.count(1)
 _VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
 
@@ -62,11 +63,15 @@ class Session:
         schedule: Schedule | None = None,
         arena: Any = None,
         index: BlockIndex | None = None,
+        arena_outs: dict | None = None,
     ) -> None:
         self.executor = executor
         self.timeout = timeout
         self.schedule = schedule  # the plan in use (None: unplanned, ops run as issued)
         self.arena = arena  # its arena tensor, or None
+        # per op (node, iterations): where its outputs go in the arena (Skeleton._arena_out),
+        # kept with the plan, which it depends on alone
+        self.arena_outs = arena_outs if arena_outs is not None else {}
         # under a memory budget: ops run as issued, with drops and moves after given sites;
         # else, with a plan: block by block, each in its planned order (``index``, the plan's
         # blocks: coexec/blocks.py)
@@ -444,7 +449,16 @@ class Skeleton(Recorder):
 
     def _arena_out(self, func: Any, node: Any, its: tuple, n_ret: int) -> tuple | None:
         """Where the planned arena wants this op's outputs: all of them fresh, planned, and
-        the op has an ``out=`` variant; else None (the allocator)."""
+        the op has an ``out=`` variant; else None (the allocator). Worked out once per op and
+        plan (``Session.arena_outs``)."""
+        cache = self.session.arena_outs
+        key = (node.id, its)
+        found = cache.get(key, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = cache[key] = self._plan_arena_out(func, node, its, n_ret)
+        return found
+
+    def _plan_arena_out(self, func: Any, node: Any, its: tuple, n_ret: int) -> tuple | None:
         if n_ret == 0 or len(node.out_struct) != n_ret or any(a is not None for a in node.out_alias[:n_ret]):
             return None
         ov = out_variant(func)
@@ -457,7 +471,8 @@ class Skeleton(Recorder):
             if offset is None:
                 return None
             meta = node.out_metas[k]
-            outs.append((offset, tuple(meta.shape), tuple(meta.stride), meta.dtype))
+            shape, stride = tuple(meta.shape), tuple(meta.stride)
+            outs.append((offset, shape, stride, meta.dtype, span_bytes(shape, stride, meta.dtype)))
         return (ov[0], ov[1], tuple(outs))
 
     def storage_key(self, t: torch.Tensor) -> int | None:

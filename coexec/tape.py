@@ -109,6 +109,7 @@ class Program:
         self.schedule: Schedule | None = None  # the plan in use (None: unplanned, issue order)
         self.arena: torch.Tensor | None = None  # its arena, allocated whole
         self.block_index: BlockIndex | None = None  # its blocks, for the skeleton (coexec/blocks.py)
+        self.arena_outs: dict = {}  # its arena placements per op (Session.arena_outs)
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
@@ -243,6 +244,7 @@ class Program:
         the planned size (it counts whole)."""
         self.schedule = schedule
         self.block_index = BlockIndex(schedule.blocks) if schedule is not None and schedule.blocks else None
+        self.arena_outs = {}
         if schedule is None or schedule.arena_bytes == 0:
             self.arena = None
         elif self.arena is None or self.arena.numel() != schedule.arena_bytes:
@@ -271,13 +273,14 @@ class GradientTape:
     before it becomes an error), ``debug`` (print phase changes, fallbacks and budget plans to stderr),
     ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can
-    give each its own key), ``arena`` (co-executed steps write planned outputs into one
-    preallocated arena; False: every output from the allocator; ``None``, the default: on
-    without a budget, off under one, where planning the arena jointly takes several times
-    longer: docs/planner.md), ``memory_budget`` (bytes, or a
+    give each its own key), ``arena`` (without a budget: co-executed steps run in the planned
+    order, block by block, and write planned outputs into one preallocated arena; False: ops
+    run as issued, every output from the allocator; under a budget: the arena is planned with
+    it; ``None``, the default: on without a budget, off under one, where planning the arena
+    jointly takes several times longer: docs/planner.md), ``memory_budget`` (bytes, or a
     string like ``"6GB"`` or ``"512MiB"``: the device memory a co-executed step may use at its
     peak, persistent state included; activations are dropped and recomputed to stay within it,
-    and a budget no plan can meet raises :class:`planner.remat.BudgetTooSmall` naming the
+    and a budget no plan can meet raises :class:`planner.BudgetTooSmall` naming the
     smallest feasible one. Tracing steps run eagerly, at eager's peak. With ``arena=True``
     under a budget on a CPU, the arena is planned with the budget and counts whole in it; on a
     GPU budgeted steps allocate without it for now), ``offload`` (under a budget, also park activations
@@ -565,7 +568,7 @@ class _Step:
             runtime.set_active_skeleton(self.rec)
 
     def _new_session(self, program: Program) -> Session:
-        return Session(runtime.executor(), self.tape.timeout, program.schedule, program.arena, program.block_index)
+        return Session(runtime.executor(), self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs)
 
     # -- which program (coexec/programs.py) -------------------------------------------------
     def meet_parameter(self, t: torch.Tensor) -> None:

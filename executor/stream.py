@@ -31,7 +31,7 @@ import torch
 
 from planner.schedule import Block
 
-from .memory import LiveBytes, ResetPeak, laid_out, span_bytes
+from .memory import LiveBytes, ResetPeak, laid_out
 from .offload import HostPool, Offload, Offloads, Prefetch, Wait
 from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
@@ -74,7 +74,7 @@ class Run:
     location: Any = None
     keep_result: bool = False  # store the Python result (a fetch of a data-dependent op)
     # write the outputs into the step's arena (attached by ResetPeak): (out_variant, out
-    # argument names, ((offset, shape, stride, dtype) per returned tensor))
+    # argument names, ((offset, shape, stride, dtype, bytes spanned) per returned tensor))
     arena_out: tuple | None = None
     grad_mode: bool = True  # grad mode when the op was issued: some kernels consult it
     recipe: bool = False  # keep it to recompute its outputs after a Drop (executor/remat.py)
@@ -354,7 +354,7 @@ class _Worker:
         if out_func in _NOT_IN_PLACE:
             return True  # (planned there, but it lays out otherwise: the allocator, as planned for)
         memory = self.memory
-        return all(memory.free(offset, span_bytes(shape, stride, dtype)) for offset, shape, stride, dtype in outs)
+        return all(memory.free(offset, n) for offset, _shape, _stride, _dtype, n in outs)
 
     def _run_deferred(self, k: int) -> None:
         run = self.block[k]
@@ -517,16 +517,12 @@ class _Worker:
         memory = self.memory
         if out_func in _NOT_IN_PLACE or memory.arena is None:
             return None
-        spans = []
-        for offset, shape, stride, dtype in outs:
-            n = span_bytes(shape, stride, dtype)
+        for offset, _shape, _stride, _dtype, n in outs:
             if not memory.free(offset, n):
                 self.arena_misses += 1
                 return None
-            spans.append((offset, n))
         views = [
-            laid_out(memory.region(offset, n), shape, stride, dtype)
-            for (offset, n), (_o, shape, stride, dtype) in zip(spans, outs)
+            laid_out(memory.region(offset, n), shape, stride, dtype) for offset, shape, stride, dtype, n in outs
         ]
         kw = dict(kwargs)
         kw.update(zip(names, views))
@@ -535,7 +531,7 @@ class _Worker:
         except RuntimeError:
             _NOT_IN_PLACE.add(out_func)
             return None
-        for v, (_o, shape, stride, dtype) in zip(views, outs):
+        for v, (_o, shape, stride, dtype, _n) in zip(views, outs):
             if tuple(v.shape) != shape or tuple(v.stride()) != stride or v.dtype != dtype:
                 _NOT_IN_PLACE.add(out_func)
                 return None

@@ -30,7 +30,7 @@ from .arena import ArenaPlan, plan_arena, select_placed
 from .errors import BudgetTooSmall, InvalidPlan, format_bytes
 from .graph import LOCAL, Execution, PlanningGraph
 from .offload import Bandwidth, predict_seconds
-from .order import block_order, valid_block_order
+from .order import STREAM_SLACK, block_order, valid_block_order
 from .remat import RematPath, RematPlan, offload_key, offload_window, plan_remat_paths, split_peaks
 from .schedule import (
     AfterOp, Block, BlockKey, Drop, Offload, PathPlan, Prefetch, Schedule, Site, StorageKey, WaitOffload,
@@ -136,15 +136,16 @@ def _block_keys(g: PlanningGraph, sites: tuple) -> list[BlockKey]:
 # -- without a budget: blocks in a planned order, one arena -----------------------------------
 def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
     """Each block in its least-memory order, the arena placed for those orders. Planned twice:
-    with orders that keep to the issue order as long as the peak allows (the executor runs
-    those ops ahead, beside the skeleton), and with the plain greedy orders; the first unless
-    its arena packs worse."""
+    with orders that keep to the issue order as long as the peak allows, or entirely where
+    reordering saves less than ``STREAM_SLACK`` (the executor runs those ops ahead, beside the
+    skeleton), and with the plain greedy orders; the first unless its peak, arena included, is
+    higher by more than that."""
     preps = [_prepared(p) for p in paths]
     graphs = [pr.g.with_execution(Execution(blocks=True)) for pr in preps]
     sites = [pr.sites for pr in preps]
     lazy = _orders_schedule(graphs, preps, _block_orders(graphs, sites, settings.order_seconds, True), settings)
     plain = _orders_schedule(graphs, preps, _block_orders(graphs, sites, settings.order_seconds, False), settings)
-    return lazy if lazy.peak <= plain.peak else plain
+    return lazy if lazy.peak <= (1 + STREAM_SLACK) * plain.peak else plain
 
 
 def _orders_schedule(graphs: list[PlanningGraph], preps: list[_Prepared], orders: "_Orders", settings: Settings) -> Schedule:
@@ -245,9 +246,42 @@ def _block_orders(graphs: list[PlanningGraph], sites: list[tuple], seconds: floa
             if key not in chosen:
                 chosen[key] = tuple(v - block.start for v in sorted(block, key=pos.__getitem__))
                 how[key] = found.method
+    _unshare_where_worse(graphs, sites, chosen, how)
     out = _Orders((k, o) for k, o in chosen.items() if o != tuple(range(len(o))))
     out.how = how
     return out
+
+
+def _unshare_where_worse(graphs: list[PlanningGraph], sites: list[tuple], chosen: dict, how: dict) -> None:
+    """A block's best order depends on what the rest of the path does with its storages, so an
+    order solved on one path can be worse on another: where a path's orders peak above its issue
+    order, the blocks it shares with other paths go back to the issue order (for every path:
+    one order per block)."""
+    keys = [_block_keys(g, ss) for g, ss in zip(graphs, sites)]
+    paths_of: dict[BlockKey, int] = {}
+    for ks in keys:
+        for k in set(ks):
+            paths_of[k] = paths_of.get(k, 0) + 1
+    for _round in range(len(graphs)):
+        changed = False
+        for g, ks in zip(graphs, keys):
+            order = [b.start + k for b, key in zip(g.blocks(), ks) for k in chosen[key]]
+            if replay(g, order, check_order=False).peak <= replay(g, list(range(len(g))), check_order=False).peak:
+                continue
+            for b, key in zip(g.blocks(), ks):
+                if paths_of[key] > 1 and chosen[key] != tuple(range(len(b))):
+                    chosen[key], how[key], changed = tuple(range(len(b))), "issue", True
+            # its own blocks again, around the shared ones as they are now (never worse than
+            # those with the issue order elsewhere)
+            forced = {i: chosen[key] for i, key in enumerate(ks) if paths_of[key] > 1}
+            found = block_order(g, forced)
+            pos = {v: i for i, v in enumerate(found.order)}
+            for i, (b, key) in enumerate(zip(g.blocks(), ks)):
+                if i not in forced:
+                    chosen[key] = tuple(v - b.start for v in sorted(b, key=pos.__getitem__))
+                    how[key] = found.method
+        if not changed:
+            return
 
 
 def _methods(orders: _Orders) -> list[str]:

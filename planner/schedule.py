@@ -9,11 +9,10 @@ what holds across steps and paths, not by positions in one trace:
 
 A **block** is what the runtime executes between two sync points (a fetch, an op whose Python
 result or shape the program waits for, an op inside a user's ``try``, the end of the step):
-its ops are confirmed together, and the executor runs them in the block's planned ``order``
-(a permutation of the block's ops, which keeps every dependency of the planning graph). A
-block the schedule does not list runs in issue order. Blocks are looked up by their
-:class:`BlockKey`, the sites of their ops in issue order, so the skeleton finds a block's
-order with one lookup when it closes it.
+the executor runs its ops in the block's planned ``order`` (a permutation of the block's ops,
+which keeps every dependency of the planning graph), ahead of the block's end where the memory
+plan allows. A block the schedule does not list runs in issue order. Blocks are keyed by their
+:class:`BlockKey`, the sites of their ops in issue order (coexec indexes them op by op).
 
 Storages placed in the arena have one offset each, valid on every observed path: two storages
 share bytes only where no path keeps both resident. Under a memory budget, the ops after which
@@ -174,15 +173,6 @@ class Schedule:
     def fragmentation(self) -> float:
         """Arena bytes over the most its storages hold at once on any path, minus 1."""
         return self.arena_bytes / self.arena_live - 1 if self.arena_live else 0.0
-
-    def order_of(self, key: BlockKey) -> Block | None:
-        """The block with these sites, if it is planned (else: issue order)."""
-        return self.blocks.get(key)
-
-    def path_plan(self, signature: tuple) -> PathPlan | None:
-        """The plan of the path with these sites, if it is one of the planned paths."""
-        i = self.signatures.get(signature)
-        return None if i is None else self.paths[i]
 
     def summary(self) -> str:
         """One line for a debug log: what the plan does, and what it cost to find."""

@@ -23,7 +23,8 @@ def test_zoo_model_co_executes_in_its_planned_order_bit_equal_to_eager(name):
     plan = tape._program.schedule
     assert plan is not None and len(plan.paths) == tape.stats.traces
     assert tape.stats.planned_blocks == 1
-    assert ex.stats().arena_hits > hits0
+    # (no arena where one would hold more than the allocator: the LSTM's)
+    assert ex.stats().arena_hits > hits0 or not plan.arena_bytes
     # planned with the lifetimes the executor gives values (after their last use in the
     # planned order, as Python let go of them in the block), every planned output finds its
     # bytes free: none goes to the allocator on top of the arena

@@ -16,7 +16,7 @@ N = 256 * 256 * 4  # bytes of a 256x256 float tensor
 def into(arena: torch.Tensor, func, out_func, *args, outs, offset: int, recipe: bool = False) -> Run:
     """``run(func, ...)`` with its output planned at ``offset`` of ``arena`` (through ``out_func``)."""
     ins = run(func, *args, outs=outs, recipe=recipe)
-    ins.arena_out = (out_func, ("out",), ((offset, (256, 256), (256, 1), torch.float32),))
+    ins.arena_out = (out_func, ("out",), ((offset, (256, 256), (256, 1), torch.float32, N),))
     return ins
 
 
