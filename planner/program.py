@@ -143,9 +143,21 @@ def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
     preps = [_prepared(p) for p in paths]
     graphs = [pr.g.with_execution(Execution(blocks=True)) for pr in preps]
     sites = [pr.sites for pr in preps]
-    lazy = _orders_schedule(graphs, preps, _block_orders(graphs, sites, settings.order_seconds, True), settings)
-    plain = _orders_schedule(graphs, preps, _block_orders(graphs, sites, settings.order_seconds, False), settings)
-    return lazy if lazy.peak <= (1 + STREAM_SLACK) * plain.peak else plain
+    lazy_orders = _block_orders(graphs, sites, settings.order_seconds, True)
+    plain_orders = _block_orders(graphs, sites, settings.order_seconds, False)
+    lazy = _orders_schedule(graphs, preps, lazy_orders, settings)
+    plain = _orders_schedule(graphs, preps, plain_orders, settings)
+    best, orders = (lazy, lazy_orders) if lazy.peak <= (1 + STREAM_SLACK) * plain.peak else (plain, plain_orders)
+    if best.arena_bytes and _over_eager(best):
+        # an arena held whole over a path's peak (64-byte alignment is enough on a small step)
+        best = _orders_schedule(graphs, preps, orders, replace(settings, arena=False))
+    return best
+
+
+def _over_eager(schedule: Schedule) -> bool:
+    """Does the plan hold more than eager PyTorch on some path? Without an arena it never does
+    (every path's orders peak at most at its issue order, which frees no later than eager)."""
+    return any(p.planned_peak > p.eager_peak for p in schedule.paths)
 
 
 def _orders_schedule(graphs: list[PlanningGraph], preps: list[_Prepared], orders: "_Orders", settings: Settings) -> Schedule:

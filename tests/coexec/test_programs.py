@@ -146,10 +146,10 @@ def test_the_least_recently_used_program_is_dropped_with_its_arena():
             tapes.append(tape)
             if w == 3:
                 first = tape._program
-                arena = weakref.ref(first.arena)  # the arena its co-executed steps used
-                assert first.arena is not None and first.graph.nodes()
+                plan = weakref.ref(first.schedule)  # the plan its co-executed steps used
+                assert first.schedule is not None and first.graph.nodes()
         gc.collect()
-        assert arena() is None  # its memory went with it
+        assert plan() is None  # it went with the program (its arena too, if it had one)
         assert not first.graph.nodes() and first.schedule is None and not first.paths
         assert programs.live_programs() == 2
         assert tapes[0].stats.steps == 4  # a tape still reports what its program did
@@ -244,10 +244,10 @@ def test_a_program_whose_model_died_is_dropped():
 
     model, opt, data = make(6, seed=6)
     first = run(model, opt, data)._program
-    arena = weakref.ref(first.arena)
+    plan = weakref.ref(first.schedule)
     assert first.graph.nodes() and first.stats.coexec_steps == 1
     del model, opt
     gc.collect()
     run(*make(7, seed=7))  # the next step here finds the first program's parameters dead
     gc.collect()
-    assert arena() is None and not first.graph.nodes() and not first.paths
+    assert plan() is None and not first.graph.nodes() and not first.paths
