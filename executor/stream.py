@@ -187,7 +187,6 @@ class _Worker:
         self.following: Block | None = None  # the plan being run ahead in (Follow)
         self.bound = 0
         self.cursor = 0  # how far into the followed order it has run
-        self.early = 0  # the first deferred run not run yet (as far as it has looked)
         self.held = 0
         self.pending: dict[int, int] = {}
         self.future: set[int] = set()
@@ -272,7 +271,7 @@ class _Worker:
         for k in order:
             if not ran[k]:
                 self._run_deferred(k)
-        self.block, self.ran, self.following, self.cursor, self.early = [], [], None, 0, 0
+        self.block, self.ran, self.following, self.cursor = [], [], None, 0
 
     def _on_follow(self, ins: Follow) -> None:
         if ins.block is not self.following:
@@ -328,38 +327,22 @@ class _Worker:
             self._advance()
 
     def _advance(self) -> None:
-        """Run the followed block's ops ahead of its launch while the bytes held stay within
-        the bound: in the block's order while its next op has arrived (into the arena, once
-        the op's planned regions are free), else the ops that have arrived in issue order,
-        into the allocator (a region they took early could hold up a storage the plan puts
-        there before them). A value Python let go of late, or a region still taken, makes
-        the next op wait for the skeleton's frees or the block's launch."""
+        """Run the followed block's ops in its order while they have arrived and the bytes
+        held stay within the bound (a value Python let go of late, or an arena region still
+        taken, can make the next op wait for the skeleton's frees or the block's launch)."""
         order, block, ran = self.following.order, self.block, self.ran
         news = self.following.new_bytes
         memory = self.memory
-        while self.error is None:
-            while self.cursor < len(order) and order[self.cursor] < len(block) and ran[order[self.cursor]]:
-                self.cursor += 1
-            if self.cursor == len(order):
-                return
+        while self.cursor < len(order) and self.error is None:
             k = order[self.cursor]
-            extra = news[k] if k < len(news) else 0
-            if k < len(block):  # the plan's next op has arrived
+            if k >= len(block):
+                return  # not issued yet
+            if not ran[k]:
+                extra = news[k] if k < len(news) else 0
                 if memory.live + extra > self.bound or not self._arena_ready(block[k]):
                     return
                 self._run_deferred(k)
-                self.cursor += 1
-                continue
-            j = self.early  # else the first op not run yet, as issued
-            while j < len(block) and ran[j]:
-                j += 1
-            self.early = j
-            if j == len(block):
-                return
-            extra = (news[j] if j < len(news) else 0) + _arena_bytes(block[j])
-            if memory.live + extra > self.bound:
-                return
-            self._run_deferred(j, arena=False)
+            self.cursor += 1
 
     def _arena_ready(self, ins: Run) -> bool:
         """Are an op's planned arena regions free? (Run ahead into a region that a value
@@ -373,11 +356,11 @@ class _Worker:
         memory = self.memory
         return all(memory.free(offset, n) for offset, _shape, _stride, _dtype, n in outs)
 
-    def _run_deferred(self, k: int, arena: bool = True) -> None:
+    def _run_deferred(self, k: int) -> None:
         run = self.block[k]
         self.ran[k] = True
         if self.error is None:
-            self.run(run, self.values, arena)
+            self.run(run, self.values)
         self._retire(run)
 
     def _retire(self, ins: Run) -> None:
@@ -477,7 +460,7 @@ class _Worker:
             err.__cause__ = e
             self.error = err
 
-    def run(self, ins: Run, values: dict, arena: bool = True) -> None:
+    def run(self, ins: Run, values: dict) -> None:
         args = ins.args
         kwargs = ins.kwargs
         self.set_grad_mode(ins.grad_mode)
@@ -491,7 +474,7 @@ class _Worker:
             if ins.recipe and ins.random:
                 self.recipes.rng_states[id(ins)] = rng_state(args, kwargs)
             out = None
-            if ins.arena_out is not None and arena:
+            if ins.arena_out is not None:
                 out = self.run_in_arena(ins, args, kwargs)
             if out is None:
                 out = ins.func(*args, **kwargs)
@@ -555,11 +538,6 @@ class _Worker:
         _IN_PLACE.add(out_func)
         self.arena_hits += 1
         return views[0] if len(views) == 1 else tuple(views)
-
-
-def _arena_bytes(ins: Run) -> int:
-    """Bytes of an op's planned arena outputs (what it takes from the allocator instead)."""
-    return 0 if ins.arena_out is None else sum(n for *_r, n in ins.arena_out[2])
 
 
 def writes_in_place(out_func: Any) -> bool | None:
@@ -684,7 +662,7 @@ class Executor:
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
             w.offloads.clear()
             w.block, w.ran, w.held, w.pending, w.future, w.released = [], [], 0, {}, set(), set()
-            w.following, w.cursor, w.early = None, 0, 0
+            w.following, w.cursor = None, 0
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""
