@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from executor import ExecutorDied, ExecutorError, ExecutorTimeout
+from executor import ExecutorDied, ExecutorError, ExecutorTimeout, RunAhead
 from planner import BudgetTooSmall, PathInput, Schedule, format_bytes, plan_program
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
@@ -74,6 +74,9 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
+    # of the latest co-executed step: its deferred ops run ahead of their block's launch or
+    # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
+    run_ahead: RunAhead = RunAhead()
     planned_path: int | None = None  # which planned path it took (tape.report()'s row), if one
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
     offloaded_storages: int = 0  # storages parked on the host in the latest step
@@ -736,6 +739,7 @@ class _Step:
         stats.offloaded_storages = now.offloaded - before.offloaded
         stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
         stats.planned_blocks = now.blocks - before.blocks
+        stats.run_ahead = now.run_ahead - before.run_ahead
         stats.step_seconds = time.perf_counter() - self.t0
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
         plan = session.schedule.paths[path] if path is not None else None
