@@ -158,6 +158,14 @@ class Program:
         what = f"memory budget {format_bytes(budget)}" if budget is not None else "arena"
         return f"planning {len(self.paths)} path(s) in the background ({what})"
 
+    def stop_planning(self) -> None:
+        """The program stays eager: drop the plan in use (its arena's memory) and those asked
+        for but not begun."""
+        for f in self.futures:
+            f.cancel()
+        self.futures, self.latest = [], None
+        self._use_schedule(None)
+
     def _count_local_seconds(self, done: Future) -> None:
         # on the planner thread, as each plan is made (also those never used)
         if not done.cancelled() and done.exception() is None:
@@ -374,6 +382,8 @@ class GradientTape:
         """Before a step: plans for this tape's settings, the newest that has arrived (under a
         budget a co-executed step waits for a plan of every observed path); a budget no plan
         meets raises here, before the step changes anything."""
+        if program.stats.phase == "eager":
+            return  # (it stays eager: no plan is asked for or used)
         t0 = time.perf_counter()
         lines = []
         settings = (self.memory_budget, self.offload, self.arena)
@@ -767,7 +777,10 @@ class _Step:
         if added:
             program.add_path(trace, sites(merged.places))
             tape = self.tape
-            self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
+            if stats.traces < tape.max_traces:
+                self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
+            else:  # eager from now on (below): plans would take the cores from its steps
+                program.stop_planning()
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")
