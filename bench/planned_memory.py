@@ -20,6 +20,11 @@ steps in turn. Columns:
 * ``unplanned/eager``, ``unplanned MB``: a third copy under ``GradientTape(arena=False)``, the
   runtime without a plan (ops run as issued, every output from the allocator), in the same
   pairs: what the plan costs or saves in time, side by side;
+* ``ran ahead %``: of the co-executed step's deferred ops, the share the executor ran before
+  their block was complete (as the skeleton issued them); ``waits issue/bytes/region``: the ops
+  at which running ahead stopped, because the plan's next op was not issued yet, because it
+  would have gone over the block's bound, or because its arena region was still held
+  (``TapeStats.run_ahead``);
 * ``bit-equal``: parameters and losses of the two copies after the run.
 
 Prints a Markdown table and a summary, and writes ``planned_memory.md`` to ``--out``.
@@ -131,8 +136,22 @@ def measure(name: str, batch: int, pairs: int) -> dict:
         "unplanned/eager": statistics.median(u / e for u, e in zip(t_u, t_e)),
         "unplanned MB": loose.stats.peak_bytes / MB,
         "planned blocks": getattr(s, "planned_blocks", 0),
+        "ran ahead %": _ran_ahead(s),
+        "waits issue/bytes/region": _waits(s),
         "bit-equal": same,
     }
+
+
+def _ran_ahead(stats) -> float:
+    """Of the latest step's deferred ops, the share run before their block was complete."""
+    ra = getattr(stats, "run_ahead", None)  # (older checkouts: not counted)
+    total = ra.ahead + ra.at_launch if ra is not None else 0
+    return 100 * ra.ahead / total if total else float("nan")
+
+
+def _waits(stats) -> str:
+    ra = getattr(stats, "run_ahead", None)
+    return f"{ra.waited_for_issue}/{ra.waited_for_bytes}/{ra.waited_for_region}" if ra is not None else ""
 
 
 def main() -> None:

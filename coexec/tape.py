@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from executor import ExecutorDied, ExecutorError, ExecutorTimeout
+from executor import ExecutorDied, ExecutorError, ExecutorTimeout, RunAhead
 from planner import BudgetTooSmall, PathInput, Schedule, format_bytes, plan_program
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
@@ -74,6 +74,9 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
+    # of the latest co-executed step: its deferred ops run ahead of their block's launch or
+    # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
+    run_ahead: RunAhead = RunAhead()
     planned_path: int | None = None  # which planned path it took (tape.report()'s row), if one
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
     offloaded_storages: int = 0  # storages parked on the host in the latest step
@@ -154,6 +157,14 @@ class Program:
         self.futures.append(self.latest)
         what = f"memory budget {format_bytes(budget)}" if budget is not None else "arena"
         return f"planning {len(self.paths)} path(s) in the background ({what})"
+
+    def stop_planning(self) -> None:
+        """The program stays eager: drop the plan in use (its arena's memory) and those asked
+        for but not begun."""
+        for f in self.futures:
+            f.cancel()
+        self.futures, self.latest = [], None
+        self._use_schedule(None)
 
     def _count_local_seconds(self, done: Future) -> None:
         # on the planner thread, as each plan is made (also those never used)
@@ -371,6 +382,8 @@ class GradientTape:
         """Before a step: plans for this tape's settings, the newest that has arrived (under a
         budget a co-executed step waits for a plan of every observed path); a budget no plan
         meets raises here, before the step changes anything."""
+        if program.stats.phase == "eager":
+            return  # (it stays eager: no plan is asked for or used)
         t0 = time.perf_counter()
         lines = []
         settings = (self.memory_budget, self.offload, self.arena)
@@ -736,6 +749,7 @@ class _Step:
         stats.offloaded_storages = now.offloaded - before.offloaded
         stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
         stats.planned_blocks = now.blocks - before.blocks
+        stats.run_ahead = now.run_ahead - before.run_ahead
         stats.step_seconds = time.perf_counter() - self.t0
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
         plan = session.schedule.paths[path] if path is not None else None
@@ -763,7 +777,10 @@ class _Step:
         if added:
             program.add_path(trace, sites(merged.places))
             tape = self.tape
-            self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
+            if stats.traces < tape.max_traces:
+                self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
+            else:  # eager from now on (below): plans would take the cores from its steps
+                program.stop_planning()
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")

@@ -13,12 +13,12 @@ from .offload import HostPool, Offload, Prefetch, Wait, measure_bandwidth
 from .remat import Drop, Restore
 from .stream import (
     Executor, ExecutorDied, ExecutorError, ExecutorStats, ExecutorTimeout, Follow, Free, FreeRange,
-    Instruction, Launch, Run, writes_in_place,
+    Instruction, Launch, Run, RunAhead, writes_in_place,
 )  # fmt: skip
 
 __all__ = [
     "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorStats", "ExecutorTimeout",
     "Follow", "Free", "FreeRange", "HostPool", "Instruction", "Launch", "LiveBytes", "Offload", "Prefetch",
-    "ResetPeak", "Restore", "Run", "Wait", "laid_out", "measure_bandwidth", "span_bytes",
+    "ResetPeak", "Restore", "Run", "RunAhead", "Wait", "laid_out", "measure_bandwidth", "span_bytes",
     "writes_in_place",
 ]  # fmt: skip

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -127,6 +127,22 @@ Instruction = Union[
 ]
 
 
+class RunAhead(NamedTuple):
+    """Counters of deferred ops: run ahead of their block's launch, or at it; and the ops at
+    which running ahead stopped, by why: not issued yet, over the block's bound, or a planned
+    arena region still held (a value the program has not let go of yet). Each op is counted
+    once per reason, however often it is tried."""
+
+    ahead: int = 0
+    at_launch: int = 0
+    waited_for_issue: int = 0
+    waited_for_bytes: int = 0
+    waited_for_region: int = 0
+
+    def __sub__(self, other: RunAhead) -> RunAhead:  # type: ignore[override]
+        return RunAhead(*(a - b for a, b in zip(self, other)))
+
+
 @dataclass(frozen=True)
 class ExecutorStats:
     """A snapshot of what the executor has done (counters since it started)."""
@@ -138,12 +154,14 @@ class ExecutorStats:
     arena_hits: int  # op results written into the arena
     arena_misses: int  # planned arena outputs whose bytes were taken: from the allocator
     blocks: int  # blocks run in a planned order
+    run_ahead: RunAhead  # how deferred ops ran: before or at their block's launch
     recomputed: int  # ops run again (memory budget)
     offloaded: int  # storages parked on the host
     copy_wait_seconds: float  # waiting for copies to land
 
 
 _STOP = object()
+_ISSUE, _BYTES, _REGION = 2, 3, 4  # why running ahead stopped (indices into RunAhead)
 
 
 def _flatten(out: Any) -> list:
@@ -192,6 +210,8 @@ class _Worker:
         self.future: set[int] = set()
         self.released: set[int] = set()
         self.blocks = 0
+        self.ahead = [0, 0, 0, 0, 0]  # RunAhead's fields
+        self.stopped: tuple[int, int] = (-1, -1)  # (cursor, reason) where running ahead last stopped
         self.handlers = {
             Run: self._on_run, Free: self._on_free, FreeRange: self._on_free_range,
             Launch: self._on_launch, Follow: self._on_follow, Drop: self._on_drop, Offload: self._on_offload,
@@ -271,7 +291,9 @@ class _Worker:
         for k in order:
             if not ran[k]:
                 self._run_deferred(k)
+                self.ahead[1] += 1
         self.block, self.ran, self.following, self.cursor = [], [], None, 0
+        self.stopped = (-1, -1)
 
     def _on_follow(self, ins: Follow) -> None:
         if ins.block is not self.following:
@@ -336,13 +358,22 @@ class _Worker:
         while self.cursor < len(order) and self.error is None:
             k = order[self.cursor]
             if k >= len(block):
-                return  # not issued yet
+                return self._stop(_ISSUE)
             if not ran[k]:
                 extra = news[k] if k < len(news) else 0
-                if memory.live + extra > self.bound or not self._arena_ready(block[k]):
-                    return
+                if memory.live + extra > self.bound:
+                    return self._stop(_BYTES)
+                if not self._arena_ready(block[k]):
+                    return self._stop(_REGION)
                 self._run_deferred(k)
+                self.ahead[0] += 1
             self.cursor += 1
+
+    def _stop(self, reason: int) -> None:
+        """Count where running ahead stopped (once per op and reason)."""
+        if self.stopped != (self.cursor, reason):
+            self.stopped = (self.cursor, reason)
+            self.ahead[reason] += 1
 
     def _arena_ready(self, ins: Run) -> bool:
         """Are an op's planned arena regions free? (Run ahead into a region that a value
@@ -577,7 +608,7 @@ class Executor:
         return ExecutorStats(
             submitted=w.submitted, done=w.done, busy_seconds=w.busy_seconds,
             peak_bytes=w.memory.peak, arena_hits=w.arena_hits, arena_misses=w.arena_misses,
-            blocks=w.blocks, recomputed=w.recipes.recomputed, offloaded=w.offloads.offloaded,
+            blocks=w.blocks, run_ahead=RunAhead(*w.ahead), recomputed=w.recipes.recomputed, offloaded=w.offloads.offloaded,
             copy_wait_seconds=w.offloads.wait_seconds,
         )  # fmt: skip
 
@@ -662,7 +693,7 @@ class Executor:
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
             w.offloads.clear()
             w.block, w.ran, w.held, w.pending, w.future, w.released = [], [], 0, {}, set(), set()
-            w.following, w.cursor = None, 0
+            w.following, w.cursor, w.stopped = None, 0, (-1, -1)
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""

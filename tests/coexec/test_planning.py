@@ -87,6 +87,39 @@ def test_steps_co_execute_without_waiting_while_the_plan_is_made_then_use_it(hel
     assert f"plan of {len(program.paths)} path(s) ready after" in err
 
 
+def test_a_program_that_stays_eager_asks_for_no_more_plans_and_lets_go_of_its_plan():
+    """After ``max_traces`` traces the program stays eager, so the plan the last trace would
+    ask for, and any plan after it, would only take the cores from its steps."""
+
+    def sized(s, n):
+        loss = s.model(torch.randn(n, 32)).square().mean()
+        loss.backward()
+        s.opt.step()
+        s.opt.zero_grad()
+        return loss
+
+    s = make()
+    tape = coexec.GradientTape(key="planning-eager", max_traces=4)
+    for n in (4, 4, 4, 4, 5):  # traced, traced (momentum appears), covered, co-executed; new
+        with tape:
+            sized(s, n)
+        assert coexec.wait_for_plans(60)
+    program = tape._program
+    asked = program.requested
+    assert tape.stats.traces == 3 and tape.stats.coexec_steps == 1
+    assert program.schedule is not None  # (taken at entry)
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+        with tape:  # the fourth trace: eager from now on
+            sized(s, 6)
+    assert tape.stats.phase == "eager" and tape.stats.traces == 4
+    assert program.requested == asked and program.futures == [] and program.latest is None
+    assert program.schedule is None and program.arena is None and program.block_index is None
+    for n in (7, 4):
+        with tape:
+            sized(s, n)
+    assert program.requested == asked and program.schedule is None and tape.stats.steps == 8
+
+
 def test_under_a_budget_a_co_executed_step_waits_for_the_plan_and_keeps_to_it(capsys):
     eager_losses, eager_state, _ = run(make, step, 6, False)
     s = make()

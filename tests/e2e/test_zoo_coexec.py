@@ -23,6 +23,10 @@ def test_zoo_model_co_executes_in_its_planned_order_bit_equal_to_eager(name):
     plan = tape._program.schedule
     assert plan is not None and len(plan.paths) == tape.stats.traces
     assert tape.stats.planned_blocks == 1
+    # every op is deferred to the step's one block, and each runs once, ahead of its launch
+    # or at it
+    run_ahead = tape.stats.run_ahead
+    assert run_ahead.ahead + run_ahead.at_launch == tape.stats.last_ops
     # (no arena where one would hold more than the allocator: the LSTM's)
     assert ex.stats().arena_hits > hits0 or not plan.arena_bytes
     # planned with the lifetimes the executor gives values (after their last use in the

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from executor import ExecutorError, Follow, Free, Launch, Run
+from executor import ExecutorError, Follow, Free, Launch, Run, RunAhead
 from planner import Block, Site
 from tests.executor.test_recompute import V
 
@@ -114,6 +114,26 @@ def test_a_followed_block_runs_ahead_within_its_bound_and_waits_for_frees(ex, ra
     ex.drain(10)
     assert ran == [0, 1, 2, 3, 4] and ex._w.values[5].item() == 3 * 256 * 256
     assert ex._w.memory.peak == 2 * N + 4 + 4  # within the bound throughout
+
+
+def test_the_stats_count_ops_run_ahead_and_where_running_ahead_waited(ex, ran):
+    ex.submit(deferred(aten.ones.default, [256, 256], outs=[1], index=0))
+    ex.submit(deferred(aten.mul.Tensor, V(1), 2.0, outs=[2], index=1))
+    ex.submit(deferred(aten.sum.default, V(2), outs=[3], index=2))
+    ex.submit(Follow(block((0, 1, 2, 3, 4), new=(N, N, 4, N, 4)), 2 * N + 8))
+    assert settled(ex, ran, 3) == [0, 1, 2]  # then op 3 is not issued yet
+    ex.submit(deferred(aten.mul.Tensor, V(1), 3.0, outs=[4], index=3))  # over the bound
+    assert settled(ex, ran, 3) == [0, 1, 2]
+    ex.submit(Free((2,)))  # op 3 fits; then op 4 is not issued yet
+    assert settled(ex, ran, 4) == [0, 1, 2, 3]
+    ex.submit(deferred(aten.sum.default, V(4), outs=[5], index=4))
+    ex.submit(deferred(aten.neg.default, V(1), outs=[6], index=5))  # not that block's
+    ex.submit(Launch(None))
+    ex.drain(10)
+    assert ran == [0, 1, 2, 3, 4, 5]
+    assert ex.stats().run_ahead == RunAhead(
+        ahead=5, at_launch=1, waited_for_issue=2, waited_for_bytes=1, waited_for_region=0
+    )
 
 
 def test_a_block_that_turns_out_another_finishes_in_issue_order(ex, ran):
