@@ -608,8 +608,8 @@ class Executor:
         return ExecutorStats(
             submitted=w.submitted, done=w.done, busy_seconds=w.busy_seconds,
             peak_bytes=w.memory.peak, arena_hits=w.arena_hits, arena_misses=w.arena_misses,
-            blocks=w.blocks, run_ahead=RunAhead(*w.ahead), recomputed=w.recipes.recomputed, offloaded=w.offloads.offloaded,
-            copy_wait_seconds=w.offloads.wait_seconds,
+            blocks=w.blocks, run_ahead=RunAhead(*w.ahead), recomputed=w.recipes.recomputed,
+            offloaded=w.offloads.offloaded, copy_wait_seconds=w.offloads.wait_seconds,
         )  # fmt: skip
 
     def away(self, vid: int | None = None) -> bool:

@@ -28,7 +28,11 @@ def check_at_smallest_budget(make, step, steps, key, offload=None, arena=None):
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
     if has_dynamic_shapes(tape):
         return tape  # (run_within checked that every step over the budget warned)
-    assert peaks and max(peaks) <= budget, (peaks, budget, tape._program.schedule.summary())
+    s = tape.stats
+    assert peaks and max(peaks) <= budget, (
+        peaks, budget, tape._program.schedule.summary(), s.coexec_steps, s.fallbacks, s.over_budget_steps,
+        s.fallback_reasons,
+    )
     assert tape.stats.over_budget_steps <= steps // 2
     return tape
 
