@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any, BinaryIO
 
@@ -158,9 +159,7 @@ class PlanProcess:
             return self._proc
         if self._proc is not None:
             self.close()
-        # the child imports the same coexec as this process (a source checkout, a worktree)
-        path = os.pathsep.join(p for p in sys.path if p)
-        env = {**os.environ, "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONPATH": _child_path()}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "coexec.plan_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
@@ -188,6 +187,15 @@ class PlanProcess:
             if self._ids.get(key) == tid:
                 del self._ids[key]
             self._forget.append(tid)
+
+
+def _child_path() -> str:
+    """The child's ``PYTHONPATH``: where this coexec (and its sibling packages) was imported
+    from, a source checkout or a worktree, before the caller's own. Not all of ``sys.path``:
+    the training script's directory would come first there, and a module of the user's
+    named like one the child imports (an ``nt.py``) stopped the child's ``import torch``."""
+    root = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:

@@ -193,3 +193,16 @@ def test_the_planning_process_starts_while_the_first_step_runs(monkeypatch):
     time.sleep(0.1)
     assert idle._process is None and idle._thread is None
     planner.close()
+
+
+def test_a_module_of_the_users_named_like_one_the_child_imports_does_not_stop_it(tmp_path, monkeypatch):
+    """The training script's directory is on ``sys.path``; the child does not import from it
+    (an ``nt.py`` there stopped the child's ``import torch``)."""
+    (tmp_path / "nt.py").write_text("raise RuntimeError('a module of the user named nt')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    proc = PlanProcess()
+    try:
+        result = proc.plan(PlanRequest(1, tuple(map(as_path, traced(1))), None, None, False))
+        assert result.error is None and result.pid not in (None, os.getpid())
+    finally:
+        proc.close()
