@@ -226,9 +226,10 @@ class Offloads:
         self.wait_seconds += time.perf_counter() - t0
 
     def forget(self, vid: int) -> None:
-        """``vid`` is gone for good."""
-        self.out.pop(vid, None)
-        parcel = self.parcels.pop(vid, None)
+        """``vid`` is gone for good: also from its parcel's layouts, so bringing the parcel
+        back (for the values still alive) does not make it again, holding the storage."""
+        out = self.out.pop(vid, None)
+        parcel = self.parcels.pop(vid, None) or out
         if parcel is not None:
             parcel.layouts.pop(vid, None)
             t = parcel.back.pop(vid, None)

@@ -66,6 +66,26 @@ def Run_move(func, old, new, other):
     return Run(func, [None, other], {}, ((0, -1, old),), (new,), ((old, new),))
 
 
+def test_a_view_python_let_go_of_during_its_copy_out_is_not_brought_back(ex):
+    """A storage and its view go out; Python lets go of the view while the copy is in flight.
+    Brought back, the storage is the base's alone: the view is not made again (it stayed in
+    the executor's table, holding the storage after the base was freed: 64 KiB over a GPT-2
+    budget plan)."""
+    ex.submit(HostPool(N))
+    ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
+    ex.submit(run(aten.t.default, V(1), outs=[2]))  # a view of 1
+    ex.submit(Offload((1, 2), 0, N))
+    ex.submit(Free((2,)))  # the copy out has not been waited for yet
+    ex.submit(Wait((1, 2)))
+    ex.submit(Prefetch((1, 2)))
+    ex.submit(run(aten.neg.default, V(1), outs=[3]))
+    ex.drain(10)
+    assert 2 not in ex._w.values and 1 in ex._w.values
+    ex.submit(Free((1, 3)))
+    ex.drain(10)
+    assert ex._w.memory.live == 0 and not ex._w.values
+
+
 def test_freeing_and_restoring_parked_values(ex):
     ex.submit(HostPool(2 * N))
     ex.submit(run(aten.randn.default, [256, 256], outs=[1]))
