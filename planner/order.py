@@ -45,6 +45,21 @@ class OrderResult:
     bound: int | None = None  # the solver's lower bound on the peak
 
 
+def _retire(g: PlanningGraph, v: int, remaining: dict, indeg: list[int]) -> list[int]:
+    """Op ``v`` is scheduled: one use fewer left of each storage it reads; the ops it made
+    ready."""
+    storages = g.storages
+    for x in g.ops[v].uses:
+        if storages[x].producer != v and x in remaining:
+            remaining[x] -= 1
+    now = []
+    for w in g.succs[v]:
+        indeg[w] -= 1
+        if indeg[w] == 0:
+            now.append(w)
+    return now
+
+
 def greedy_order(g: PlanningGraph) -> list[int]:
     n = len(g.ops)
     indeg = [len(p) for p in g.preds]
@@ -71,13 +86,7 @@ def greedy_order(g: PlanningGraph) -> list[int]:
                 best, best_key = v, key
         ready.remove(best)
         order.append(best)
-        for s in g.ops[best].uses:
-            if storages[s].producer != best and s in remaining:
-                remaining[s] -= 1
-        for w in g.succs[best]:
-            indeg[w] -= 1
-            if indeg[w] == 0:
-                ready.append(w)
+        ready.extend(_retire(g, best, remaining, indeg))
     if len(order) != n:
         raise ValueError("the planning graph has a cycle")
     return order
@@ -150,13 +159,8 @@ def issue_order_within(g: PlanningGraph, cap: int, prefix: int = 0) -> list[int]
             heapq.heappop(ready)
         live += alloc - freed
         order.append(v)
-        for x in g.ops[v].uses:
-            if storages[x].producer != v and x in remaining:
-                remaining[x] -= 1
-        for w in g.succs[v]:
-            indeg[w] -= 1
-            if indeg[w] == 0:
-                heapq.heappush(ready, w)
+        for w in _retire(g, v, remaining, indeg):
+            heapq.heappush(ready, w)
     if len(order) != n:
         raise ValueError("the planning graph has a cycle")
     return order

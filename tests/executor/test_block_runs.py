@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from executor import ExecutorError, Follow, Free, Launch, Run, RunAhead
+from executor import ExecutorError, Follow, Free, Launch, RunAhead
 from planner import Block, Site
-from tests.executor.test_recompute import V
+from tests.executor.test_recompute import V, run
 
 aten = torch.ops.aten
 N = 256 * 256 * 4  # bytes of a 256x256 float tensor
@@ -19,14 +19,7 @@ N = 256 * 256 * 4  # bytes of a 256x256 float tensor
 
 def deferred(func, *refs_or_args, outs, index):
     """A deferred Run of ``func``; ``V(id)`` arguments are values of the executor."""
-    args, refs = [], []
-    for i, a in enumerate(refs_or_args):
-        if isinstance(a, V):
-            refs.append((i, -1, a))
-            args.append(None)
-        else:
-            args.append(a)
-    return Run(func, args, {}, tuple(refs), tuple(outs), op_index=index, deferred=True)
+    return run(func, *refs_or_args, outs=outs, op_index=index, deferred=True)
 
 
 def block(order, bound=0, new=()):

@@ -15,8 +15,9 @@ class V(int):
     """A value id among a Run's arguments."""
 
 
-def run(func, *refs_or_args, outs, recipe=False):
-    """A Run of ``func``; ``V(id)`` arguments are values of the executor."""
+def run(func, *refs_or_args, outs, recipe=False, **fields):
+    """A Run of ``func``; ``V(id)`` arguments are values of the executor; ``fields``: other
+    fields of the Run (``op_index``, ``deferred``)."""
     args, refs = [], []
     for i, a in enumerate(refs_or_args):
         if isinstance(a, V):
@@ -24,7 +25,7 @@ def run(func, *refs_or_args, outs, recipe=False):
             args.append(None)
         else:
             args.append(a)
-    return Run(func, args, {}, tuple(refs), tuple(outs), recipe=recipe)
+    return Run(func, args, {}, tuple(refs), tuple(outs), recipe=recipe, **fields)
 
 
 def test_a_dropped_value_is_recomputed_before_its_next_use_and_equals_the_original(ex):
