@@ -397,22 +397,33 @@ class _Worker:
     def _retire(self, ins: Run) -> None:
         """A deferred run ran (or was skipped after an error): the values it read or made
         that Python let go of and nothing else pending needs are freed."""
-        pending, released, future = self.pending, self.released, self.future
-        done = [vid for _arg, _item, vid in ins.refs] + [old for old, _new in ins.moves]
-        for vid in done:
+        pending = self.pending
+        for _arg, _item, vid in ins.refs:
             left = pending[vid] - 1
             if left:
                 pending[vid] = left
             else:
                 del pending[vid]
-        for vid in (*ins.outs, *(new for _old, new in ins.moves)):
+        future = self.future
+        for old, new in ins.moves:
+            left = pending[old] - 1
+            if left:
+                pending[old] = left
+            else:
+                del pending[old]
+            future.discard(new)
+        for vid in ins.outs:
             future.discard(vid)
-            done.append(vid)
-        for vid in done:
-            if vid in released and not pending.get(vid) and vid not in future:
-                released.discard(vid)
-                if not (self.recipes and self.recipes.holds(vid)):
-                    self.free_value(vid)
+        if self.released:  # (most runs read and make nothing Python let go of early)
+            for vid in (*(r[2] for r in ins.refs), *(m[0] for m in ins.moves), *ins.outs, *(m[1] for m in ins.moves)):
+                self._free_if_released(vid)
+
+    def _free_if_released(self, vid: int) -> None:
+        released = self.released
+        if vid in released and vid not in self.pending and vid not in self.future:
+            released.discard(vid)
+            if not (self.recipes and self.recipes.holds(vid)):
+                self.free_value(vid)
 
     def free_value(self, vid: int) -> None:
         t = self.values.pop(vid, None)
