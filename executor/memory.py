@@ -81,6 +81,11 @@ class LiveBytes:
         i = bisect.bisect_left(self._starts, offset + nbytes)
         return i == 0 or self._ends[self._starts[i - 1]] <= offset
 
+    def all_free(self, outs: tuple) -> bool:
+        """Are the regions of an op's planned outputs (``Run.arena_out``'s last item:
+        ``(offset, shape, stride, dtype, bytes spanned)`` each) all free?"""
+        return all(self.free(out[0], out[4]) for out in outs)
+
     def in_arena(self, t: Any) -> bool:
         """Does ``t``'s memory lie in the attached arena?"""
         if self.arena is None or not isinstance(t, torch.Tensor) or t.layout != torch.strided:

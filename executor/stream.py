@@ -384,8 +384,7 @@ class _Worker:
         out_func, _names, outs = ins.arena_out
         if out_func in _NOT_IN_PLACE:
             return True  # (planned there, but it lays out otherwise: the allocator, as planned for)
-        memory = self.memory
-        return all(memory.free(offset, n) for offset, _shape, _stride, _dtype, n in outs)
+        return self.memory.all_free(outs)
 
     def _run_deferred(self, k: int) -> None:
         run = self.block[k]
@@ -397,33 +396,24 @@ class _Worker:
     def _retire(self, ins: Run) -> None:
         """A deferred run ran (or was skipped after an error): the values it read or made
         that Python let go of and nothing else pending needs are freed."""
-        pending = self.pending
-        for _arg, _item, vid in ins.refs:
+        pending, released, future = self.pending, self.released, self.future
+        done = [vid for _arg, _item, vid in ins.refs] + [old for old, _new in ins.moves]
+        for vid in done:
             left = pending[vid] - 1
             if left:
                 pending[vid] = left
             else:
                 del pending[vid]
-        future = self.future
-        for old, new in ins.moves:
-            left = pending[old] - 1
-            if left:
-                pending[old] = left
-            else:
-                del pending[old]
-            future.discard(new)
-        for vid in ins.outs:
+        for vid in (*ins.outs, *(new for _old, new in ins.moves)):
             future.discard(vid)
-        if self.released:  # (most runs read and make nothing Python let go of early)
-            for vid in (*(r[2] for r in ins.refs), *(m[0] for m in ins.moves), *ins.outs, *(m[1] for m in ins.moves)):
-                self._free_if_released(vid)
-
-    def _free_if_released(self, vid: int) -> None:
-        released = self.released
-        if vid in released and vid not in self.pending and vid not in self.future:
-            released.discard(vid)
-            if not (self.recipes and self.recipes.holds(vid)):
-                self.free_value(vid)
+            done.append(vid)
+        if not released:  # (most runs read and make nothing Python let go of early)
+            return
+        for vid in done:
+            if vid in released and vid not in pending and vid not in future:
+                released.discard(vid)
+                if not (self.recipes and self.recipes.holds(vid)):
+                    self.free_value(vid)
 
     def free_value(self, vid: int) -> None:
         t = self.values.pop(vid, None)
@@ -559,10 +549,9 @@ class _Worker:
         memory = self.memory
         if out_func in _NOT_IN_PLACE or memory.arena is None:
             return None
-        for offset, _shape, _stride, _dtype, n in outs:
-            if not memory.free(offset, n):
-                self.arena_misses += 1
-                return None
+        if not memory.all_free(outs):
+            self.arena_misses += 1
+            return None
         views = [
             laid_out(memory.region(offset, n), shape, stride, dtype) for offset, shape, stride, dtype, n in outs
         ]
