@@ -774,23 +774,20 @@ class _Step:
         merged = program.graph.merge_placed(trace)
         added = merged.changed
         stats.traces += added
+        tape = self.tape
         if added:
             program.add_path(trace, sites(merged.places))
-            tape = self.tape
-            if stats.traces < tape.max_traces:
-                self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
-            else:  # eager from now on (below): plans would take the cores from its steps
-                program.stop_planning()
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")
-        elif added and stats.traces >= self.tape.max_traces:
+        elif added and stats.traces < tape.max_traces:
+            self._log(program.request_plan(tape.memory_budget, tape.offload, tape.arena))
+        elif added:
             stats.phase = "eager"
+            program.stop_planning()  # plans would take the cores from its steps
             if not program.capped:
                 program.capped = True
-                msg = max_traces_message(
-                    program.where, stats.traces, self.tape.max_traces, program.reasons
-                )
+                msg = max_traces_message(program.where, stats.traces, tape.max_traces, program.reasons)
                 warnings.warn_explicit(msg, RuntimeWarning, *self.with_line)
 
     def _note(self, why: FallbackReason) -> None:
