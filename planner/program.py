@@ -31,7 +31,7 @@ from .errors import BudgetTooSmall, InvalidPlan, format_bytes
 from .graph import LOCAL, Execution, PlanningGraph
 from .offload import Bandwidth, predict_seconds
 from .order import STREAM_SLACK, block_order, valid_block_order
-from .remat import RematPath, RematPlan, offload_key, offload_window, plan_remat_paths, split_peaks
+from .remat import RematPath, RematPlan, offload_key, offload_window, plan_remat_paths, resident_split, split_peaks
 from .schedule import (
     AfterOp, Block, BlockKey, Drop, Offload, PathPlan, Prefetch, Schedule, Site, StorageKey, WaitOffload,
 )  # fmt: skip
@@ -179,7 +179,9 @@ def _orders_schedule(graphs: list[PlanningGraph], preps: list[_Prepared], orders
             offsets = {sid: arena.offsets[k] for sid, k in pr.keys.items() if k in arena.offsets}
         checked = replay(g, order, offsets, arena_bytes=arena.arena_bytes if arena else None, partial=True)
         placed = frozenset(offsets)
-        held = _held_outside(g, rep.segments, placed, arena_bytes)  # per position, as counted
+        # per position, the device bytes as the executor counts them: the whole arena, plus
+        # the storages outside it that are resident (the step's own; persistent state apart)
+        held = [arena_bytes + b for b in resident_split(g, len(order), rep.segments, placed)[1]]
         for block, key in zip(g.blocks(), _block_keys(g, pr.sites)):
             bound = max(held[p] for p in block)  # (positions of a block are the same in the order)
             known = blocks.get(key)
@@ -205,25 +207,6 @@ def _orders_schedule(graphs: list[PlanningGraph], preps: list[_Prepared], orders
         signatures={pr.sites: i for i, pr in enumerate(preps)},
         methods=tuple(sorted(set(_methods(orders)))),
     )
-
-
-def _held_outside(g: PlanningGraph, segments: dict, placed: frozenset, arena_bytes: int) -> list[int]:
-    """Per position, the device bytes as the executor counts them: the whole arena, plus the
-    storages outside it that are resident (the step's own; persistent state apart)."""
-    n = len(g)
-    delta = [0] * (n + 1)
-    for sid, spans in segments.items():
-        if sid in placed:
-            continue
-        size = g.storages[sid].nbytes
-        for a, b in spans:
-            delta[a] += size
-            delta[b + 1] -= size
-    out, run = [], arena_bytes
-    for p in range(n):
-        run += delta[p]
-        out.append(run)
-    return out
 
 
 class _Orders(dict):
@@ -274,11 +257,12 @@ def _unshare_where_worse(graphs: list[PlanningGraph], sites: list[tuple], chosen
     for ks in keys:
         for k in set(ks):
             paths_of[k] = paths_of.get(k, 0) + 1
+    issue_peaks = [replay(g, list(range(len(g))), check_order=False).peak for g in graphs]
     for _round in range(len(graphs)):
         changed = False
-        for g, ks in zip(graphs, keys):
+        for g, ks, issue_peak in zip(graphs, keys, issue_peaks):
             order = [b.start + k for b, key in zip(g.blocks(), ks) for k in chosen[key]]
-            if replay(g, order, check_order=False).peak <= replay(g, list(range(len(g))), check_order=False).peak:
+            if replay(g, order, check_order=False).peak <= issue_peak:
                 continue
             for b, key in zip(g.blocks(), ks):
                 if paths_of[key] > 1 and chosen[key] != tuple(range(len(b))):

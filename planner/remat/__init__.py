@@ -41,13 +41,13 @@ from .greedy import greedy
 from .model import Model
 from .oracle import exhaustive_remat
 from .paths import (
-    OFFLOAD_COST, RematPath, RematPlan, bound_of, cost, offload_key, predict, split_peaks,
+    OFFLOAD_COST, RematPath, RematPlan, bound_of, cost, offload_key, predict, resident_split, split_peaks,
 )  # fmt: skip
 
 __all__ = [
     "BudgetTooSmall", "Candidate", "OFFLOAD_COST", "RematPath", "RematPlan", "bound_of",
     "candidates", "cost", "exhaustive_remat", "min_feasible_budget", "min_feasible_budget_paths",
-    "offload_key", "offload_window", "plan_remat", "plan_remat_paths", "split_peaks",
+    "offload_key", "offload_window", "plan_remat", "plan_remat_paths", "resident_split", "split_peaks",
 ]  # fmt: skip
 
 

@@ -78,11 +78,10 @@ def sizer(g: PlanningGraph, placed: frozenset | None) -> Callable[[int], int]:
     return lambda sid: aligned(g.storages[sid].nbytes) if sid in placed else g.storages[sid].nbytes
 
 
-def split_peaks(g: PlanningGraph, order: list[int], segments: dict, placed: frozenset) -> tuple[int, int]:
-    """Peaks of the ``placed`` storages resident at once (aligned as the arena holds them) and
-    of the rest (op workspace included), given when each storage is resident (a replay's
-    ``segments``)."""
-    n = len(order)
+def resident_split(g: PlanningGraph, n: int, segments: dict, placed: frozenset) -> tuple[list[int], list[int]]:
+    """Per position of an order of ``n`` ops, the bytes resident of the ``placed`` storages
+    (aligned as the arena holds them) and of the rest, given when each storage is resident (a
+    replay's ``segments``)."""
     inside, outside = [0] * (n + 1), [0] * (n + 1)
     size_of = sizer(g, placed)
     for sid, spans in segments.items():
@@ -90,12 +89,21 @@ def split_peaks(g: PlanningGraph, order: list[int], segments: dict, placed: froz
         for a, b in spans:
             delta[a] += size_of(sid)
             delta[b + 1] -= size_of(sid)
-    i_live = o_live = i_peak = o_peak = 0
-    for t in range(n):
-        i_live += inside[t]
-        o_live += outside[t]
-        i_peak = max(i_peak, i_live)
-        o_peak = max(o_peak, o_live + g.ops[order[t]].workspace)
+    for delta in (inside, outside):
+        run = 0
+        for t in range(n + 1):
+            run += delta[t]
+            delta[t] = run
+        del delta[n]
+    return inside, outside
+
+
+def split_peaks(g: PlanningGraph, order: list[int], segments: dict, placed: frozenset) -> tuple[int, int]:
+    """Peaks of the ``placed`` storages resident at once (aligned as the arena holds them) and
+    of the rest (op workspace included)."""
+    inside, outside = resident_split(g, len(order), segments, placed)
+    i_peak = max(inside, default=0)
+    o_peak = max((o + g.ops[v].workspace for o, v in zip(outside, order)), default=0)
     return i_peak, o_peak
 
 
