@@ -44,18 +44,21 @@ _submit = stream.Executor.submit
 
 
 class Capture:
-    """Records what the skeleton submits while ``on``."""
+    """Records what the skeleton submits while ``on`` (installed as ``Executor.submit``)."""
 
     def __init__(self) -> None:
         self.on = False
         self.seen: list = []
         self.executor: stream.Executor | None = None
 
-    def __call__(self, ex: stream.Executor, ins: stream.Instruction) -> int:
-        if self.on:
-            self.seen.append(ins)
-            self.executor = ex
-        return _submit(ex, ins)
+    def install(self) -> None:
+        def submit(ex: stream.Executor, ins: stream.Instruction) -> int:
+            if self.on:
+                self.seen.append(ins)
+                self.executor = ex
+            return _submit(ex, ins)
+
+        stream.Executor.submit = submit
 
 
 def capture_step(model, tape: coexec.GradientTape, capture: Capture) -> list:
@@ -94,7 +97,7 @@ def replay(ex: stream.Executor, instructions: list) -> float:
 
 def measure(name: str, batch: int, reps: int) -> dict:
     capture = Capture()
-    stream.Executor.submit = lambda ex, ins: capture(ex, ins)
+    capture.install()
     try:
         planned = capture_step(ZOO[name](batch), coexec.GradientTape(key=("replay", name, batch)), capture)
         unplanned = capture_step(
@@ -105,13 +108,14 @@ def measure(name: str, batch: int, reps: int) -> dict:
     ex = capture.executor
     runs = sum(type(x) is stream.Run for x in planned)
     eager = ZOO[name](batch)
-    times: dict[str, list[float]] = {k: [] for k in variants(planned, unplanned)}
+    steps = variants(planned, unplanned)
+    times: dict[str, list[float]] = {k: [] for k in steps}
     t_e = []
     for _ in range(reps):
         t0 = time.perf_counter()
         eager.step()
         t_e.append(time.perf_counter() - t0)
-        for k, instructions in variants(planned, unplanned).items():
+        for k, instructions in steps.items():
             times[k].append(replay(ex, instructions))
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     row = {"model": name, "batch": batch, "ops": runs, "eager ms": 1e3 * statistics.median(t_e)}
