@@ -11,7 +11,10 @@ GIL to share, no skeleton issuing. The variants run interleaved, ``--reps`` time
 eager step of the same model between rounds; figures are medians:
 
 * ``eager ms``: an eager step (Python dispatch and kernels: the work the replay also does);
-* ``planned``: the planned step's instructions as captured;
+* ``planned``: the planned step's instructions as captured, run by the native runner
+  (executor/native.py: the GIL released once per block, or per chunk run ahead of its launch;
+  the replay runs ahead natively even where co-execution would not, as nothing runs beside it);
+* ``planned, Python``: the same, each op of a block one Python call (the runner before it);
 * ``arena only``: the same runs, not deferred (no blocks: each op runs as it arrives);
 * ``blocks only``: the same runs, deferred and run in the planned order, without the arena;
 * ``unplanned``: the ``arena=False`` step's instructions;
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
 import executor.stream as stream  # noqa: E402
+from executor import native  # noqa: E402
 from common import markdown_table  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 
@@ -83,16 +87,27 @@ def variants(planned: list, unplanned: list) -> dict[str, list]:
         if type(x) not in (Follow, Launch)
     ]
     no_arena = [dataclasses.replace(x, arena_out=None) if type(x) is Run else x for x in planned]
-    return {"planned": planned, "arena only": undeferred, "blocks only": no_arena, "unplanned": unplanned}
+    return {
+        "planned": planned, "planned, Python": planned, "arena only": undeferred, "blocks only": no_arena,
+        "unplanned": unplanned,
+    }  # fmt: skip
 
 
-def replay(ex: stream.Executor, instructions: list) -> float:
-    t0 = time.perf_counter()
-    for ins in instructions:
-        _submit(ex, ins)
-    ex.drain(60.0)
-    ex._w.results.clear()  # fetched results nobody takes here
-    return time.perf_counter() - t0
+def replay(ex: stream.Executor, instructions: list, python_runner: bool = False) -> float:
+    built = native.ready
+    if python_runner:
+        native.ready = lambda: None  # the worker asks at each launch
+    overlap, ex._w.overlap = ex._w.overlap, True  # (nothing to overlap with: run ahead natively)
+    try:
+        t0 = time.perf_counter()
+        for ins in instructions:
+            _submit(ex, ins)
+        ex.drain(60.0)
+        ex._w.results.clear()  # fetched results nobody takes here
+        return time.perf_counter() - t0
+    finally:
+        native.ready = built
+        ex._w.overlap = overlap
 
 
 def measure(name: str, batch: int, reps: int) -> dict:
@@ -116,7 +131,7 @@ def measure(name: str, batch: int, reps: int) -> dict:
         eager.step()
         t_e.append(time.perf_counter() - t0)
         for k, instructions in steps.items():
-            times[k].append(replay(ex, instructions))
+            times[k].append(replay(ex, instructions, python_runner=k == "planned, Python"))
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     row = {"model": name, "batch": batch, "ops": runs, "eager ms": 1e3 * statistics.median(t_e)}
     row.update({f"{k} ms": v for k, v in ms.items()})
@@ -131,6 +146,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--reps", type=int, default=25)
     args = ap.parse_args()
+    if native.wait(600) is None:
+        print("(the native runner is not built: every variant runs in Python)")
     rows = []
     for name in args.models.split(","):
         rows.append(measure(name, args.batch, args.reps))

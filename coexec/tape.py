@@ -74,6 +74,7 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
+    native_runs: int = 0  # of the latest co-executed step: runs of its deferred ops without the GIL
     # of the latest co-executed step: its deferred ops run ahead of their block's launch or
     # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
     run_ahead: RunAhead = RunAhead()
@@ -749,6 +750,7 @@ class _Step:
         stats.offloaded_storages = now.offloaded - before.offloaded
         stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
         stats.planned_blocks = now.blocks - before.blocks
+        stats.native_runs = now.native_runs - before.native_runs
         stats.run_ahead = now.run_ahead - before.run_ahead
         stats.step_seconds = time.perf_counter() - self.t0
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None

@@ -36,7 +36,14 @@ _OLD_ARENA = -2
 
 
 class LiveBytes:
+    """The count in Python (``executor/native/blocks.cpp`` has the same class in C++, used
+    once the native runner is built; :func:`live_bytes` picks)."""
+
     def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything: nothing live, no arena."""
         self.live = 0
         self.peak = 0
         # storage address -> [values on it, bytes, offset in the arena, or _ALLOCATED, or
@@ -147,6 +154,18 @@ class LiveBytes:
 
     def reset_peak(self) -> None:
         self.peak = self.live
+
+    def to_native(self, native: Any) -> Any:
+        """The same count in the native module's ``LiveBytes``."""
+        other = native.LiveBytes()
+        other.adopt(self.live, self.peak, self.arena, self._storages)
+        return other
+
+
+def live_bytes(native: Any) -> Any:
+    """A new count: the native module's ``LiveBytes`` when it is built (``native``), else
+    this module's."""
+    return native.LiveBytes() if native is not None else LiveBytes()
 
 
 def span_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:

@@ -21,6 +21,7 @@ the one position someone waits for, and only then signals.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -31,7 +32,8 @@ import torch
 
 from planner.schedule import Block
 
-from .memory import LiveBytes, ResetPeak, laid_out
+from . import native
+from .memory import LiveBytes, ResetPeak, laid_out, live_bytes
 from .offload import HostPool, Offload, Offloads, Prefetch, Wait
 from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
@@ -154,6 +156,7 @@ class ExecutorStats:
     arena_hits: int  # op results written into the arena
     arena_misses: int  # planned arena outputs whose bytes were taken: from the allocator
     blocks: int  # blocks run in a planned order
+    native_runs: int  # runs of deferred ops by the native runner, GIL released (executor/native.py)
     run_ahead: RunAhead  # how deferred ops ran: before or at their block's launch
     recomputed: int  # ops run again (memory budget)
     offloaded: int  # storages parked on the host
@@ -161,6 +164,9 @@ class ExecutorStats:
 
 
 _STOP = object()
+# the fewest deferred ops the native runner runs ahead at once: each run releases the GIL and
+# takes it back, which waits for the skeleton's thread to let go of it
+_CHUNK = 32
 _ISSUE, _BYTES, _REGION = 2, 3, 4  # why running ahead stopped (indices into RunAhead)
 
 
@@ -192,7 +198,7 @@ class _Worker:
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.arena_misses = 0  # planned arena outputs that had to use the allocator
         self.arena_hits = 0  # op results written into the arena
-        self.memory = LiveBytes()
+        self.memory = live_bytes(native.ready())
         self.recipes = Recipes(self.values, self.recall, self.free_value, self.memory)
         self.offloads = Offloads(self.values, self.memory)
         self.want: int | None = None
@@ -210,6 +216,7 @@ class _Worker:
         self.future: set[int] = set()
         self.released: set[int] = set()
         self.blocks = 0
+        self.native_runs = 0
         self.ahead = [0, 0, 0, 0, 0]  # RunAhead's fields
         self.stopped: tuple[int, int] = (-1, -1)  # (cursor, reason) where running ahead last stopped
         self.handlers = {
@@ -219,6 +226,12 @@ class _Worker:
             ResetPeak: self._on_reset_peak, Restore: self._on_restore, _Fault: self._on_fault,
         }  # fmt: skip
         threads = torch.get_num_threads()
+        # run ahead natively, the kernels beside the skeleton's Python, only where a core is
+        # left for the skeleton: with every core in the kernels' thread team, a team thread
+        # that the skeleton's thread displaces stalls each barrier (on the 2-core CPU we
+        # measure on, ResNets got 1.5-2.5x slower: docs/coexec.md, *Native blocks*), so ops
+        # run ahead in Python, holding the GIL, and natively only at the block's launch
+        self.overlap = (os.cpu_count() or 1) > threads
         self.thread = threading.Thread(target=self.loop, args=(threads,), name=name, daemon=True)
         self.thread.start()
 
@@ -288,10 +301,11 @@ class _Worker:
             self.blocks += 1
         else:
             order = range(len(block))
-        for k in order:
-            if not ran[k]:
-                self._run_deferred(k)
-                self.ahead[1] += 1
+        todo = [k for k in order if not ran[k]]
+        done = self._run_natively(todo)
+        for k in todo[done.ran if done is not None else 0 :]:
+            self._run_deferred(k)  # (after a native run's error: retired, not run)
+        self.ahead[1] += len(todo)
         self.block, self.ran, self.following, self.cursor = [], [], None, 0
         self.stopped = (-1, -1)
 
@@ -318,6 +332,9 @@ class _Worker:
         self.offloads.size_pool(ins.nbytes, torch.cuda.is_available())
 
     def _on_reset_peak(self, ins: ResetPeak) -> None:
+        if type(self.memory) is LiveBytes and (built := native.ready()) is not None:
+            # the native runner is ready now: its count takes over, at a step's start
+            self.memory = self.recipes.memory = self.offloads.memory = self.memory.to_native(built)
         self.memory.attach(ins.arena)
         self.memory.reset_peak()
 
@@ -351,8 +368,25 @@ class _Worker:
     def _advance(self) -> None:
         """Run the followed block's ops in its order while they have arrived and the bytes
         held stay within the bound (a value Python let go of late, or an arena region still
-        taken, can make the next op wait for the skeleton's frees or the block's launch)."""
+        taken, can make the next op wait for the skeleton's frees or the block's launch):
+        natively, all that have arrived at once, where the native runner can."""
         order, block, ran = self.following.order, self.block, self.ran
+        end = self.cursor
+        while end < len(order) and order[end] < len(block):
+            end += 1
+        todo = [k for k in order[self.cursor : end] if not ran[k]]
+        if self.overlap and native.ready() is not None and len(todo) < _CHUNK:
+            return self._stop(_ISSUE)  # (few ops: not worth taking the GIL back for; more come)
+        done = self._run_natively(todo, self.bound) if self.overlap else None
+        if done is not None:
+            self.ahead[0] += done.ran
+            while self.cursor < end and ran[order[self.cursor]]:
+                self.cursor += 1
+            if done.stopped:
+                return self._stop(done.stopped)
+            if self.error is not None:
+                return None
+            return self._stop(_ISSUE) if self.cursor < len(order) else None
         news = self.following.new_bytes
         memory = self.memory
         while self.cursor < len(order) and self.error is None:
@@ -368,6 +402,7 @@ class _Worker:
                 self._run_deferred(k)
                 self.ahead[0] += 1
             self.cursor += 1
+        return None
 
     def _stop(self, reason: int) -> None:
         """Count where running ahead stopped (once per op and reason)."""
@@ -385,6 +420,47 @@ class _Worker:
         if out_func in _NOT_IN_PLACE:
             return True  # (planned there, but it lays out otherwise: the allocator, as planned for)
         return self.memory.all_free(outs)
+
+    def _run_natively(self, todo: list[int], bound: int = -1) -> Any:
+        """Run the open block's deferred runs ``todo`` (in this order) with the native runner,
+        the GIL released for all of them: every one, or with a ``bound`` (running ahead) up to
+        the first over it or whose arena region is still in use. Its report (``ran``: how many
+        of ``todo`` ran, ``stopped``: why it stopped early), or None, nothing run, where it
+        cannot: not built yet, a memory budget's recipes or parked values in play, an op it
+        cannot call, a value to bring back first."""
+        built = native.ready()
+        if (
+            built is None or not todo or self.error is not None or self.recipes or self.offloads
+            or type(self.memory) is LiveBytes
+        ):  # fmt: skip
+            return None
+        block = self.block
+        runs = [block[k] for k in todo]
+        if any(r.recipe for r in runs):
+            return None
+        news = ()
+        if bound >= 0:
+            planned = self.following.new_bytes
+            news = [planned[k] if k < len(planned) else 0 for k in todo]
+        done = built.run_block(
+            runs, self.values, self.released, self.pending, self.future, self.memory, self.results,
+            _NOT_IN_PLACE, bound, news,
+        )  # fmt: skip
+        if done is None:
+            return None
+        self.native_runs += 1
+        for k in todo[: done.ran]:
+            self.ran[k] = True
+        self.arena_hits += done.arena_hits
+        self.arena_misses += done.arena_misses
+        _NOT_IN_PLACE.update(done.not_in_place)
+        _IN_PLACE.update(done.in_place)
+        if done.failed_at >= 0:
+            try:
+                done.raise_error()
+            except BaseException as e:  # noqa: BLE001 - reported to the skeleton's thread
+                self.error = _failed(runs[done.failed_at], e)
+        return done
 
     def _run_deferred(self, k: int) -> None:
         run = self.block[k]
@@ -511,13 +587,7 @@ class _Worker:
             if out is None:
                 out = ins.func(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported to the skeleton's thread
-            err = ExecutorError(
-                f"{ins.func} failed on the executor: {type(e).__name__}: {e}",
-                ins.op_index,
-                ins.location,
-            )
-            err.__cause__ = e
-            self.error = err
+            self.error = _failed(ins, e)
             return
         for old, new in ins.moves:
             values[new] = values.pop(old)
@@ -571,6 +641,13 @@ class _Worker:
         return views[0] if len(views) == 1 else tuple(views)
 
 
+def _failed(ins: Run, e: BaseException) -> ExecutorError:
+    """The error to report for ``ins`` raising ``e``."""
+    err = ExecutorError(f"{ins.func} failed on the executor: {type(e).__name__}: {e}", ins.op_index, ins.location)
+    err.__cause__ = e
+    return err
+
+
 def writes_in_place(out_func: Any) -> bool | None:
     """Has ``out_func`` (an ``out=`` overload) written into the arena as planned in this
     process (True), laid its outputs out otherwise (False), or not been tried (None)?"""
@@ -608,7 +685,8 @@ class Executor:
         return ExecutorStats(
             submitted=w.submitted, done=w.done, busy_seconds=w.busy_seconds,
             peak_bytes=w.memory.peak, arena_hits=w.arena_hits, arena_misses=w.arena_misses,
-            blocks=w.blocks, run_ahead=RunAhead(*w.ahead), recomputed=w.recipes.recomputed,
+            blocks=w.blocks, native_runs=w.native_runs, run_ahead=RunAhead(*w.ahead),
+            recomputed=w.recipes.recomputed,
             offloaded=w.offloads.offloaded, copy_wait_seconds=w.offloads.wait_seconds,
         )  # fmt: skip
 
@@ -689,7 +767,7 @@ class Executor:
             w.values.clear()
             w.results.clear()
             w.error = None
-            w.memory.__init__()
+            w.memory.clear()
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
             w.offloads.clear()
             w.block, w.ran, w.held, w.pending, w.future, w.released = [], [], 0, {}, set(), set()

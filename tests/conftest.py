@@ -18,3 +18,12 @@ def plans_in_this_process(monkeypatch):
     monkeypatch.setattr(PLANNER, "_in_process", True)
     yield
     coexec.wait_for_plans(60)
+
+
+def pytest_sessionstart(session):
+    """The suite runs on the native block runner (built once, cached; ``COEXEC_NATIVE=0``
+    runs it on the Python one): wait for its build, so every test sees the same runner."""
+    from executor import native
+
+    if native.enabled() and native.wait(600) is None:
+        raise pytest.UsageError("the native block runner did not build (COEXEC_NATIVE=0 skips it)")

@@ -36,7 +36,16 @@ def ran(ex, monkeypatch):
         seen.append(ins.op_index)
         return real(self, ins, values)
 
+    real_native = type(ex._w)._run_natively
+
+    def spy_native(self, todo, *bound):  # the native runner runs a prefix of ``todo``
+        done = real_native(self, todo, *bound)
+        if done is not None:
+            seen.extend(self.block[k].op_index for k in todo[: done.ran])
+        return done
+
     monkeypatch.setattr(type(ex._w), "run", spy)
+    monkeypatch.setattr(type(ex._w), "_run_natively", spy_native)
     return seen
 
 

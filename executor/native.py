@@ -1,0 +1,81 @@
+"""The executor's native block runner (``native/blocks.cpp``): built at first use, in the
+background, and cached across processes.
+
+A launched block runs as boxed dispatcher calls with the GIL released once for the whole block,
+instead of one Python call per op that needs the GIL back from the skeleton each time
+(docs/coexec.md, *Performance*). The same kernels run in the same order on the same thread, so
+results do not change. Building takes a minute on a 2-core machine the first time (then the
+compiled module is loaded from ``torch.utils.cpp_extension``'s cache: ``$TORCH_EXTENSIONS_DIR``
+or ``~/.cache/torch_extensions``); until it is ready, and where it cannot be built (no C++
+compiler), the executor runs blocks in Python, as it always could, after one warning.
+
+``COEXEC_NATIVE=0`` in the environment keeps the Python runner (to compare the two).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+_SOURCE = Path(__file__).resolve().parent / "native" / "blocks.cpp"
+_lock = threading.Lock()
+_done = threading.Event()
+_module: ModuleType | None = None
+_started = False
+
+
+def enabled() -> bool:
+    """Is the native runner wanted (not switched off by ``COEXEC_NATIVE=0``)?"""
+    return os.environ.get("COEXEC_NATIVE", "1") != "0"
+
+
+def ready() -> ModuleType | None:
+    """The built module if it is ready now; else None, after starting its build in the
+    background (once per process)."""
+    if _module is not None or _done.is_set():
+        return _module
+    _start()
+    return None
+
+
+def wait(timeout: float | None = None) -> ModuleType | None:
+    """The built module, waiting up to ``timeout`` seconds for its build (None: it cannot be
+    built, it is switched off, or it was not ready in time)."""
+    _start()
+    _done.wait(timeout)
+    return _module
+
+
+def _start() -> None:
+    global _started
+    with _lock:
+        if _started:
+            return
+        _started = True
+    if not enabled():
+        _done.set()
+        return
+    threading.Thread(target=_build, name="coexec-native-build", daemon=True).start()
+
+
+def _build() -> None:
+    global _module
+    try:
+        from torch.utils import cpp_extension
+
+        _module = cpp_extension.load(
+            name="coexec_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False
+        )
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: run in Python
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        warnings.warn(
+            "coexec: the native block runner could not be built, so the executor runs ops "
+            f"one Python call at a time (slower, same results): {type(e).__name__}: {first}",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+    finally:
+        _done.set()
