@@ -465,8 +465,8 @@ class BlockRun {
         pending[v] = pending_py.contains(key) ? pending_py[key].cast<int64_t>() : 0;
         if (released.contains(key)) let_go.insert(v);
         if (produced.count(v)) continue;
-        if (!values.contains(key)) return false;
-        table.emplace(v, values[key].cast<at::Tensor>());
+        if (!values.contains(key) || !THPVariable_Check(values[key].ptr())) return false;
+        table.emplace(v, THPVariable_Unpack(values[key].ptr()));
       }
       std::vector<int64_t> makes(s.outs.begin(), s.outs.end());
       for (const auto& m : s.moves) makes.push_back(m.second);
@@ -679,8 +679,12 @@ py::object run_block(py::list runs, py::dict values, py::set released, py::dict 
                      int64_t bound, const std::vector<int64_t>& news) {
   std::vector<Step> steps(runs.size());
   bool arena = memory.arena().has_value();
-  for (size_t k = 0; k < steps.size(); ++k)
-    if (!convert(runs[k], not_in_place, arena, steps[k])) return py::none();
+  try {
+    for (size_t k = 0; k < steps.size(); ++k)
+      if (!convert(runs[k], not_in_place, arena, steps[k])) return py::none();
+  } catch (const std::exception&) {
+    return py::none();  // (a Run the Python runner reports on, if it is wrong)
+  }
   auto block = std::make_shared<BlockRun>();
   if (!block->run(steps, values, released, pending, future, memory, results, bound, news))
     return py::none();
