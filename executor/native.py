@@ -70,10 +70,11 @@ def _build() -> None:
             name="coexec_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False
         )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: run in Python
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        lines = str(e).strip().splitlines() or [""]
+        said = next((x for x in lines if "error:" in x), lines[0])  # (the compiler's, not its command)
         warnings.warn(
             "coexec: the native block runner could not be built, so the executor runs ops "
-            f"one Python call at a time (slower, same results): {type(e).__name__}: {first}",
+            f"one Python call at a time (slower, same results): {type(e).__name__}: {said.strip()}",
             RuntimeWarning,
             stacklevel=1,
         )

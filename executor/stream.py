@@ -369,24 +369,11 @@ class _Worker:
         """Run the followed block's ops in its order while they have arrived and the bytes
         held stay within the bound (a value Python let go of late, or an arena region still
         taken, can make the next op wait for the skeleton's frees or the block's launch):
-        natively, all that have arrived at once, where the native runner can."""
+        natively where the native runner can and a core is left (``overlap``), else one
+        Python call per op."""
+        if self.overlap and native.ready() is not None and self._advance_natively():
+            return None
         order, block, ran = self.following.order, self.block, self.ran
-        end = self.cursor
-        while end < len(order) and order[end] < len(block):
-            end += 1
-        todo = [k for k in order[self.cursor : end] if not ran[k]]
-        if self.overlap and native.ready() is not None and len(todo) < _CHUNK:
-            return self._stop(_ISSUE)  # (few ops: not worth taking the GIL back for; more come)
-        done = self._run_natively(todo, self.bound) if self.overlap else None
-        if done is not None:
-            self.ahead[0] += done.ran
-            while self.cursor < end and ran[order[self.cursor]]:
-                self.cursor += 1
-            if done.stopped:
-                return self._stop(done.stopped)
-            if self.error is not None:
-                return None
-            return self._stop(_ISSUE) if self.cursor < len(order) else None
         news = self.following.new_bytes
         memory = self.memory
         while self.cursor < len(order) and self.error is None:
@@ -403,6 +390,29 @@ class _Worker:
                 self.ahead[0] += 1
             self.cursor += 1
         return None
+
+    def _advance_natively(self) -> bool:
+        """:meth:`_advance` for the native runner: all the ops that have arrived in one run,
+        once there are at least ``_CHUNK`` of them; False where it cannot run them."""
+        order, block, ran = self.following.order, self.block, self.ran
+        end = self.cursor
+        while end < len(order) and order[end] < len(block):
+            end += 1
+        todo = [k for k in order[self.cursor : end] if not ran[k]]
+        if len(todo) < _CHUNK:
+            self._stop(_ISSUE)  # (few ops: not worth taking the GIL back for; more come)
+            return True
+        done = self._run_natively(todo, self.bound)
+        if done is None:
+            return False
+        self.ahead[0] += done.ran
+        while self.cursor < end and ran[order[self.cursor]]:
+            self.cursor += 1
+        if done.stopped:
+            self._stop(done.stopped)
+        elif self.error is None and self.cursor < len(order):
+            self._stop(_ISSUE)
+        return True
 
     def _stop(self, reason: int) -> None:
         """Count where running ahead stopped (once per op and reason)."""

@@ -139,12 +139,6 @@ class LiveBytes {
     if (live > peak) peak = live;
   }
 
-  void add(const at::Tensor& t, const std::vector<int64_t>& inputs) {
-    int64_t key = storage_key(t);
-    if (!key || counted(key)) return;
-    add_new(t, key, inputs);
-  }
-
   void remove(const at::Tensor& t) {
     int64_t key = storage_key(t);
     if (!key) return;
@@ -202,9 +196,7 @@ void input_keys(const Stack& stack, std::vector<int64_t>& keys) {
   for (const auto& v : stack) {
     if (v.isTensor()) {
       keys.push_back(storage_key(v.toTensor()));
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) keys.push_back(storage_key(t));
-    } else if (v.isList()) {
+    } else if (v.isList()) {  // (a Tensor[] is a list of IValues too)
       for (const auto& x : v.toListRef())
         if (x.isTensor()) keys.push_back(storage_key(x.toTensor()));
     }
@@ -218,8 +210,6 @@ void flatten(const Stack& stack, std::vector<at::Tensor>& out) {
   for (const auto& v : stack) {
     if (v.isTensor()) {
       if (v.toTensor().defined()) out.push_back(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorVector()) out.push_back(t);
     } else if (v.isList()) {
       for (const auto& x : v.toListRef())
         if (x.isTensor() && x.toTensor().defined()) out.push_back(x.toTensor());
@@ -338,30 +328,19 @@ bool convert(const py::handle& run, const py::set& not_in_place, bool arena_atta
     py::object arg = ref[0];
     int64_t item = ref[1].cast<int64_t>();
     int64_t vid = ref[2].cast<int64_t>();
-    std::optional<size_t> index;
-    if (py::isinstance<py::str>(arg)) {
-      auto name = arg.cast<std::string>();
-      index = schema.argumentIndexWithName(name);
-      if (item < 0) {
-        kwargs[arg] = dummy;
-      } else {
-        py::list items = copied(kwargs[arg]);
-        items[item] = dummy;
-        kwargs[arg] = items;
-      }
-    } else {
-      size_t i = arg.cast<size_t>();
-      index = i;
-      if (item < 0) {
-        args[i] = dummy;
-      } else {
-        py::list items = copied(args[i]);
-        items[item] = dummy;
-        args[i] = items;
-      }
-    }
+    bool named = py::isinstance<py::str>(arg);
+    py::object box = named ? py::object(kwargs) : py::object(args);
+    auto index = named ? schema.argumentIndexWithName(arg.cast<std::string>())
+                       : std::optional<int>(arg.cast<int>());
     if (!index.has_value()) return false;
-    step.refs.push_back(Ref{*index, item, vid});
+    if (item < 0) {
+      box[arg] = dummy;
+    } else {
+      py::list items = copied(box[arg]);
+      items[item] = dummy;
+      box[arg] = items;
+    }
+    step.refs.push_back(Ref{static_cast<size_t>(*index), item, vid});
   }
   // a Python number where the schema wants a tensor becomes a wrapped-number tensor, as the
   // Python binding makes it
@@ -412,16 +391,9 @@ void put(Stack& stack, const Ref& ref, const at::Tensor& t) {
   }
   // (a copy of the list: the converted one is shared with the step's template, which must
   // not keep the value alive)
-  c10::IValue& v = stack[ref.index];
-  if (v.isTensorList()) {
-    auto list = v.toTensorList().copy();
-    list.set(ref.item, t);
-    v = list;
-  } else {
-    auto list = v.toList().copy();
-    list.set(ref.item, t);
-    v = list;
-  }
+  auto list = stack[ref.index].toList().copy();
+  list.set(ref.item, t);
+  stack[ref.index] = list;
 }
 
 bool laid_out_as_planned(const at::Tensor& t, const ArenaOut& o) {
@@ -453,34 +425,36 @@ class BlockRun {
            const std::vector<int64_t>& news) {
     std::unordered_map<int64_t, at::Tensor> table;
     std::unordered_map<int64_t, int64_t> pending;
-    std::unordered_set<int64_t> future, let_go, made, freed;
-    std::unordered_set<int64_t> produced;
+    std::unordered_set<int64_t> future, let_go, made, freed, produced;
+    // the worker's bookkeeping of a value the steps touch (read or made), taken once
+    auto learn = [&](int64_t v) {
+      if (pending.count(v)) return false;
+      py::int_ key(v);
+      pending[v] = pending_py.contains(key) ? pending_py[key].cast<int64_t>() : 0;
+      if (released.contains(key)) let_go.insert(v);
+      if (future_py.contains(key)) future.insert(v);
+      return true;
+    };
     for (const auto& s : steps) {
       std::vector<int64_t> reads;
       for (const auto& r : s.refs) reads.push_back(r.vid);
       for (const auto& m : s.moves) reads.push_back(m.first);
       for (auto v : reads) {
-        if (pending.count(v)) continue;
-        py::int_ key(v);
-        pending[v] = pending_py.contains(key) ? pending_py[key].cast<int64_t>() : 0;
-        if (released.contains(key)) let_go.insert(v);
-        if (produced.count(v)) continue;
-        if (!values.contains(key) || !THPVariable_Check(values[key].ptr())) return false;
-        table.emplace(v, THPVariable_Unpack(values[key].ptr()));
+        if (!learn(v) || produced.count(v)) continue;  // (known, or made by an earlier step)
+        PyObject* t = PyDict_GetItem(values.ptr(), py::int_(v).ptr());  // (borrowed)
+        if (t == nullptr || !THPVariable_Check(t)) return false;
+        table.emplace(v, THPVariable_Unpack(t));
       }
-      std::vector<int64_t> makes(s.outs.begin(), s.outs.end());
-      for (const auto& m : s.moves) makes.push_back(m.second);
-      for (auto v : makes) {
-        py::int_ key(v);
+      for (auto v : s.outs) {
+        learn(v);  // (runs after these may read it)
         produced.insert(v);
-        if (!pending.count(v))  // (read by runs after these, perhaps)
-          pending[v] = pending_py.contains(key) ? pending_py[key].cast<int64_t>() : 0;
-        if (future_py.contains(key)) future.insert(v);
-        if (released.contains(key)) let_go.insert(v);
+      }
+      for (const auto& m : s.moves) {
+        learn(m.second);
+        produced.insert(m.second);
       }
     }
-    std::unordered_set<Op*> failed_out;  // out= variants that failed in this run
-    std::vector<Op*> wrote_out;
+    std::unordered_set<Op*> failed_out, wrote_out;  // out= variants that failed, that wrote
     {
       py::gil_scoped_release no_gil;
       bool mode = c10::GradMode::is_enabled();
@@ -566,7 +540,7 @@ class BlockRun {
   std::unordered_set<int64_t> gone_;
 
   void step(Step& s, size_t k, std::unordered_map<int64_t, at::Tensor>& table, LiveBytes& memory,
-            std::unordered_set<Op*>& failed_out, std::vector<Op*>& wrote_out,
+            std::unordered_set<Op*>& failed_out, std::unordered_set<Op*>& wrote_out,
             std::vector<int64_t>& keys, std::vector<at::Tensor>& outs) {
     c10::GradMode::set_enabled(s.grad_mode);
     Stack stack = s.stack;
@@ -625,7 +599,7 @@ class BlockRun {
   }
 
   bool call_out(Step& s, const Stack& stack, LiveBytes& memory, std::unordered_set<Op*>& failed_out,
-                std::vector<Op*>& wrote_out, std::vector<at::Tensor>& outs) {
+                std::unordered_set<Op*>& wrote_out, std::vector<at::Tensor>& outs) {
     std::vector<at::Tensor> views;
     for (const auto& o : s.arena) {
       at::Tensor raw = memory.region(o.offset, o.nbytes);
@@ -655,7 +629,7 @@ class BlockRun {
         return false;
       }
     }
-    wrote_out.push_back(s.out_op.get());
+    wrote_out.insert(s.out_op.get());
     ++arena_hits;
     outs = views;
     return true;
