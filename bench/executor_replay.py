@@ -11,9 +11,8 @@ GIL to share, no skeleton issuing. The variants run interleaved, ``--reps`` time
 eager step of the same model between rounds; figures are medians:
 
 * ``eager ms``: an eager step (Python dispatch and kernels: the work the replay also does);
-* ``planned``: the planned step's instructions as captured, run by the native runner
-  (executor/native.py: the GIL released once per block, or per chunk run ahead of its launch;
-  the replay runs ahead natively even where co-execution would not, as nothing runs beside it);
+* ``planned``: the planned step's instructions as captured (what is left of a block at its
+  launch runs on the native runner, executor/native.py: the GIL released once);
 * ``planned, Python``: the same, each op of a block one Python call (the runner before it);
 * ``arena only``: the same runs, not deferred (no blocks: each op runs as it arrives);
 * ``blocks only``: the same runs, deferred and run in the planned order, without the arena;
@@ -97,7 +96,6 @@ def replay(ex: stream.Executor, instructions: list, python_runner: bool = False)
     built = native.ready
     if python_runner:
         native.ready = lambda: None  # the worker asks at each launch
-    overlap, ex._w.overlap = ex._w.overlap, True  # (nothing to overlap with: run ahead natively)
     try:
         t0 = time.perf_counter()
         for ins in instructions:
@@ -107,7 +105,6 @@ def replay(ex: stream.Executor, instructions: list, python_runner: bool = False)
         return time.perf_counter() - t0
     finally:
         native.ready = built
-        ex._w.overlap = overlap
 
 
 def measure(name: str, batch: int, reps: int) -> dict:

@@ -9,6 +9,12 @@ compiled module is loaded from ``torch.utils.cpp_extension``'s cache: ``$TORCH_E
 or ``~/.cache/torch_extensions``); until it is ready, and where it cannot be built (no C++
 compiler), the executor runs blocks in Python, as it always could, after one warning.
 
+It runs what is left of a block at its launch, when the skeleton waits. Ops the executor
+runs ahead of the launch, while the skeleton issues, stay one Python call each, holding the
+GIL: running them natively, in chunks, made steps slower on a 2-core CPU whatever the thread
+count (kernels beside the skeleton's Python oversubscribe the cores; each chunk's end waits
+for the skeleton to hand the GIL back): docs/coexec.md, *Native blocks*.
+
 ``COEXEC_NATIVE=0`` in the environment keeps the Python runner (to compare the two).
 """
 

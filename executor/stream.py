@@ -21,7 +21,6 @@ the one position someone waits for, and only then signals.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -164,9 +163,6 @@ class ExecutorStats:
 
 
 _STOP = object()
-# the fewest deferred ops the native runner runs ahead at once: each run releases the GIL and
-# takes it back, which waits for the skeleton's thread to let go of it
-_CHUNK = 32
 _ISSUE, _BYTES, _REGION = 2, 3, 4  # why running ahead stopped (indices into RunAhead)
 
 
@@ -226,12 +222,6 @@ class _Worker:
             ResetPeak: self._on_reset_peak, Restore: self._on_restore, _Fault: self._on_fault,
         }  # fmt: skip
         threads = torch.get_num_threads()
-        # run ahead natively, the kernels beside the skeleton's Python, only where a core is
-        # left for the skeleton: with every core in the kernels' thread team, a team thread
-        # that the skeleton's thread displaces stalls each barrier (on the 2-core CPU we
-        # measure on, ResNets got 1.5-2.5x slower: docs/coexec.md, *Native blocks*), so ops
-        # run ahead in Python, holding the GIL, and natively only at the block's launch
-        self.overlap = (os.cpu_count() or 1) > threads
         self.thread = threading.Thread(target=self.loop, args=(threads,), name=name, daemon=True)
         self.thread.start()
 
@@ -369,10 +359,7 @@ class _Worker:
         """Run the followed block's ops in its order while they have arrived and the bytes
         held stay within the bound (a value Python let go of late, or an arena region still
         taken, can make the next op wait for the skeleton's frees or the block's launch):
-        natively where the native runner can and a core is left (``overlap``), else one
-        Python call per op."""
-        if self.overlap and native.ready() is not None and self._advance_natively():
-            return None
+        one Python call per op, holding the GIL (executor/native.py says why not natively)."""
         order, block, ran = self.following.order, self.block, self.ran
         news = self.following.new_bytes
         memory = self.memory
@@ -391,29 +378,6 @@ class _Worker:
             self.cursor += 1
         return None
 
-    def _advance_natively(self) -> bool:
-        """:meth:`_advance` for the native runner: all the ops that have arrived in one run,
-        once there are at least ``_CHUNK`` of them; False where it cannot run them."""
-        order, block, ran = self.following.order, self.block, self.ran
-        end = self.cursor
-        while end < len(order) and order[end] < len(block):
-            end += 1
-        todo = [k for k in order[self.cursor : end] if not ran[k]]
-        if len(todo) < _CHUNK:
-            self._stop(_ISSUE)  # (few ops: not worth taking the GIL back for; more come)
-            return True
-        done = self._run_natively(todo, self.bound)
-        if done is None:
-            return False
-        self.ahead[0] += done.ran
-        while self.cursor < end and ran[order[self.cursor]]:
-            self.cursor += 1
-        if done.stopped:
-            self._stop(done.stopped)
-        elif self.error is None and self.cursor < len(order):
-            self._stop(_ISSUE)
-        return True
-
     def _stop(self, reason: int) -> None:
         """Count where running ahead stopped (once per op and reason)."""
         if self.stopped != (self.cursor, reason):
@@ -431,13 +395,12 @@ class _Worker:
             return True  # (planned there, but it lays out otherwise: the allocator, as planned for)
         return self.memory.all_free(outs)
 
-    def _run_natively(self, todo: list[int], bound: int = -1) -> Any:
-        """Run the open block's deferred runs ``todo`` (in this order) with the native runner,
-        the GIL released for all of them: every one, or with a ``bound`` (running ahead) up to
-        the first over it or whose arena region is still in use. Its report (``ran``: how many
-        of ``todo`` ran, ``stopped``: why it stopped early), or None, nothing run, where it
-        cannot: not built yet, a memory budget's recipes or parked values in play, an op it
-        cannot call, a value to bring back first."""
+    def _run_natively(self, todo: list[int]) -> Any:
+        """Run the launched block's deferred runs ``todo`` (in this order) with the native
+        runner, the GIL released for all of them. Its report (``ran``: how many of ``todo``
+        ran, all but those after an error), or None, nothing run, where it cannot: not built
+        yet, a memory budget's recipes or parked values in play, an op it cannot call, a value
+        to bring back first."""
         built = native.ready()
         if (
             built is None or not todo or self.error is not None or self.recipes or self.offloads
@@ -448,14 +411,9 @@ class _Worker:
         runs = [block[k] for k in todo]
         if any(r.recipe for r in runs):
             return None
-        news = ()
-        if bound >= 0:
-            planned = self.following.new_bytes
-            news = [planned[k] if k < len(planned) else 0 for k in todo]
         done = built.run_block(
-            runs, self.values, self.released, self.pending, self.future, self.memory, self.results,
-            _NOT_IN_PLACE, bound, news,
-        )  # fmt: skip
+            runs, self.values, self.released, self.pending, self.future, self.memory, self.results, _NOT_IN_PLACE
+        )
         if done is None:
             return None
         self.native_runs += 1

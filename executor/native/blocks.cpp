@@ -402,8 +402,7 @@ bool laid_out_as_planned(const at::Tensor& t, const ArenaOut& o) {
 
 class BlockRun {
  public:
-  int64_t ran = 0;  // steps run (and retired), a prefix of those given
-  int64_t stopped = 0;  // why it stopped early: 0 not, 3 over the bound, 4 a region in use
+  int64_t ran = 0;  // steps run (and retired): all, or those up to one that raised
   int64_t arena_hits = 0;
   int64_t arena_misses = 0;
   int64_t failed_at = -1;  // position of the step that raised (the last one run), or -1
@@ -414,15 +413,12 @@ class BlockRun {
     if (error_) std::rethrow_exception(error_);
   }
 
-  // Run a prefix of the steps, in order, the GIL released: all of them, or, with a bound
-  // (>= 0), up to the first that would take the bytes held over it (with news[k] more) or
-  // whose planned arena region is still in use (Worker._advance). values, released, pending
-  // and future are the worker's table and bookkeeping (Worker._retire); they are read for
-  // the values these steps touch and written back after. False (nothing run) when a value a
-  // step reads is not in the table: dropped or parked, which the Python runner brings back.
+  // Run the steps in order, the GIL released, up to one that raises. values, released,
+  // pending and future are the worker's table and bookkeeping (Worker._retire); they are read
+  // for the values these steps touch and written back after. False (nothing run) when a value
+  // a step reads is not in the table: dropped or parked, which the Python runner brings back.
   bool run(std::vector<Step>& steps, py::dict values, py::set released, py::dict pending_py,
-           py::set future_py, LiveBytes& memory, py::dict results, int64_t bound,
-           const std::vector<int64_t>& news) {
+           py::set future_py, LiveBytes& memory, py::dict results) {
     std::unordered_map<int64_t, at::Tensor> table;
     std::unordered_map<int64_t, int64_t> pending;
     std::unordered_set<int64_t> future, let_go, made, freed, produced;
@@ -463,18 +459,6 @@ class BlockRun {
       std::vector<int64_t> done;
       for (size_t k = 0; k < steps.size() && !error_; ++k) {
         Step& s = steps[k];
-        if (bound >= 0) {
-          int64_t extra = k < news.size() ? news[k] : 0;
-          if (memory.live + extra > bound) {
-            stopped = 3;
-            break;
-          }
-          if (s.out_op && !failed_out.count(s.out_op.get()) && memory.arena().has_value() &&
-              !memory.all_free(s.arena)) {
-            stopped = 4;
-            break;
-          }
-        }
         step(s, k, table, memory, failed_out, wrote_out, keys, outs);
         ++ran;
         // retire (Worker._retire): the values it read or made that Python let go of and
@@ -645,12 +629,11 @@ class BlockRun {
 
 // The launched block's remaining runs, in the order to run them; None when one of them cannot
 // run natively (the caller runs the block in Python).
-// Run deferred runs (a prefix of them: see BlockRun::run) natively; None when one of them
+// Run a launched block's deferred runs natively (see BlockRun::run); None when one of them
 // cannot run natively or a value it reads must be brought back first (the caller runs them in
 // Python).
 py::object run_block(py::list runs, py::dict values, py::set released, py::dict pending,
-                     py::set future, LiveBytes& memory, py::dict results, py::set not_in_place,
-                     int64_t bound, const std::vector<int64_t>& news) {
+                     py::set future, LiveBytes& memory, py::dict results, py::set not_in_place) {
   std::vector<Step> steps(runs.size());
   bool arena = memory.arena().has_value();
   try {
@@ -660,7 +643,7 @@ py::object run_block(py::list runs, py::dict values, py::set released, py::dict 
     return py::none();  // (a Run the Python runner reports on, if it is wrong)
   }
   auto block = std::make_shared<BlockRun>();
-  if (!block->run(steps, values, released, pending, future, memory, results, bound, news))
+  if (!block->run(steps, values, released, pending, future, memory, results))
     return py::none();
   return py::cast(block);
 }
@@ -715,7 +698,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear", &LiveBytes::clear);
   py::class_<BlockRun, std::shared_ptr<BlockRun>>(m, "BlockRun")
       .def_readonly("ran", &BlockRun::ran)
-      .def_readonly("stopped", &BlockRun::stopped)
       .def_readonly("arena_hits", &BlockRun::arena_hits)
       .def_readonly("arena_misses", &BlockRun::arena_misses)
       .def_readonly("failed_at", &BlockRun::failed_at)

@@ -38,8 +38,8 @@ def ran(ex, monkeypatch):
 
     real_native = type(ex._w)._run_natively
 
-    def spy_native(self, todo, *bound):  # the native runner runs a prefix of ``todo``
-        done = real_native(self, todo, *bound)
+    def spy_native(self, todo):  # the native runner runs a prefix of ``todo``
+        done = real_native(self, todo)
         if done is not None:
             seen.extend(self.block[k].op_index for k in todo[: done.ran])
         return done

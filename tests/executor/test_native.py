@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor import Executor, ExecutorError, Follow, Free, Launch, LiveBytes, ResetPeak, native
+from executor import Executor, ExecutorError, Free, Launch, LiveBytes, ResetPeak, native
 from executor.memory import span_bytes
-from tests.executor.test_block_runs import N, block, deferred
+from tests.executor.test_block_runs import block, deferred
 from tests.executor.test_recompute import V
 
 aten = torch.ops.aten
@@ -204,23 +203,3 @@ def test_without_a_compiler_the_executor_runs_in_python_after_one_warning(tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("1 coexec: the native block runner could not be built")
 
-
-def test_running_ahead_natively_keeps_a_value_made_there_that_a_later_op_reads(built, ex, monkeypatch):
-    import executor.stream as stream
-
-    monkeypatch.setattr(stream, "_CHUNK", 1)  # run ahead natively whatever has arrived
-    ex._w.overlap = True  # (as where a core is left for the skeleton)
-    ex.submit(Follow(block((0, 3, 1, 2), new=(N, 4, N, 4)), 10 * N))
-    ex.submit(deferred(aten.ones.default, [256, 256], outs=[1], index=0))
-    ex.submit(deferred(aten.neg.default, V(1), outs=[2], index=1))
-    ex.submit(deferred(aten.sum.default, V(1), outs=[3], index=2))
-    ex.submit(Free((1,)))  # Python let go of x; ops 1 and 2 still read it
-    deadline = time.monotonic() + 10
-    while not (ex._w.ran and ex._w.ran[0]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ex._w.ran == [True, False, False] and 1 in ex._w.values  # op 3 not issued yet
-    ex.submit(deferred(aten.sum.default, V(1), outs=[4], index=3))
-    ex.submit(Launch(block((0, 3, 1, 2))))
-    ex.drain(10)
-    assert ex.stats().native_runs >= 2 and ex._w.values[3].item() == 256 * 256
-    assert 1 not in ex._w.values and not ex._w.pending and not ex._w.released
