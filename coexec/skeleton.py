@@ -37,10 +37,12 @@ from tracegraph.schema import TensorMeta, schema_of
 from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
 from .blocks import BlockIndex
 from .errors import ValueLostError
+from .gradients import HOOK_CALLS, Backwards
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
 
 _UNKNOWN = object()
+_BACKWARD = torch.Tensor.backward
 _session_ids = itertools.count(1)
 _VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
 
@@ -88,6 +90,7 @@ class Session:
         self.base = next(_session_ids) * _VID_SPACE
         # per placeholder: [current value id, weak ref to the Python object, to the C++ tensor]
         self.tracked: list[list] = []
+        self.aliased = False  # some values have two placeholders (Session.alias)
         self.orphans: dict[int, torch.Tensor] = {}  # values of tensors only C++ held at the end
         self.produced_at: dict[int, int] = {}  # trace value id -> executor position
         self.open = True
@@ -105,6 +108,16 @@ class Session:
         self.tracked.append(entry)
         return ph
 
+    def alias(self, ph: Placeholder) -> Placeholder:
+        """Another placeholder of ``ph``'s value, without its autograd history: the value
+        is kept while either lives (coexec/gradients.py holds saved tensors so)."""
+        self.aliased = True
+        a = Placeholder(TensorMeta.of(ph), self, ph._vid)
+        entry = [ph._vid, weakref.ref(a), torch._C._WeakTensorRef(a)]
+        a._entry = entry
+        self.tracked.append(entry)
+        return a
+
     def retarget(self, ph: Placeholder, vid: int, position: int) -> None:
         """An in-place op made a new value of ``ph``'s tensor."""
         ph._vid = ph._entry[0] = vid
@@ -113,10 +126,15 @@ class Session:
     def sweep(self) -> tuple:
         """Forget the placeholders whose tensors are gone; their executor value ids."""
         dead = [e for e in self.tracked if e[2].expired()]
-        if dead:  # (by identity: a tensor that dies meanwhile waits for the next sweep)
-            gone = {id(e) for e in dead}
-            self.tracked = [e for e in self.tracked if id(e) not in gone]
-        return tuple(self.base + e[0] for e in dead)
+        if not dead:
+            return ()
+        # (by identity: a tensor that dies meanwhile waits for the next sweep)
+        gone = {id(e) for e in dead}
+        self.tracked = [e for e in self.tracked if id(e) not in gone]
+        vids = {e[0] for e in dead}
+        if len(self.tracked) and self.aliased:  # a value another placeholder still holds
+            vids -= {e[0] for e in self.tracked}
+        return tuple(self.base + v for v in vids)
 
     def submit(self, ins: Any) -> int:
         position = self.executor.submit(ins)
@@ -241,10 +259,13 @@ class Skeleton(Recorder):
 
     skip_subclass_torch_function = True
 
-    def __init__(self, graph: TraceGraph, session: Session) -> None:
+    def __init__(self, graph: TraceGraph, session: Session, gradient_blocks: dict | None = None) -> None:
         super().__init__()
         self.graph = graph
         self.session = session
+        self.ext_tensors: dict[int, torch.Tensor] = {}  # external value id -> its tensor
+        # (None: the step keeps autograd's saved tensors and runs every backward on the engine)
+        self.backwards = Backwards(self, gradient_blocks)
         self.cursor: Cursor | None = None
         self.eager = False
         self.fallback_reason: str | None = None  # its message (fallback_why.message)
@@ -265,6 +286,29 @@ class Skeleton(Recorder):
         self.trace.computed = False
         super().start(base)
         self.cursor = Cursor(self.graph, self.trace, mutate=False)  # after outside_loops is set
+        if self.backwards.blocks is not None:
+            self.backwards.saved.install()
+
+    def stop(self, error: BaseException | None = None) -> None:
+        self.backwards.saved.remove()
+        super().stop(error)
+        self.ext_tensors = {}
+        self.backwards.close()
+
+    def value_of(self, t: torch.Tensor) -> int:
+        vid = self.vmap.get(t)
+        if vid is None:
+            vid = super().value_of(t)
+            if self.trace.values[vid].producer is None:
+                self.ext_tensors[vid] = t
+        return vid
+
+    def torch_call(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
+        if func is _BACKWARD and not self.eager:
+            return self.backwards.backward(func, loc, args, kwargs)
+        if func in HOOK_CALLS:
+            self.backwards.hooked = True
+        return self.call(func, args, kwargs, loc)
 
     # -- ops ------------------------------------------------------------------------------
     def execute(
@@ -310,34 +354,17 @@ class Skeleton(Recorder):
             if isinstance(x, Placeholder) and x._session is session and x._real is None
         ]
         ins_args, ins_kwargs, refs = _encode(args, kwargs, session)
-        its = iterations(self.cursor.placed[rec.index][1]) if session.schedule is not None else ()
-        arena_out = None
-        if session.arena is not None and not data_dependent and slots and all(x is None for x in slots):
-            arena_out = self._arena_out(func, node, its, n_ret)
-        recipe = False
-        if remat is not None:
-            if not data_dependent and not moves and all(x is None for x in slots):
-                recipe = self._is_recipe(remat, node, rec, its, n_ret)
-            due = remat.after.get(Site(node.id, its))
-            if due:
-                self._due.extend(due)
-            if remat.parked:
-                for k in range(n_ret):
-                    key = StorageKey(node.id, k, its)
-                    if key in remat.parked and (k >= len(node.out_alias) or node.out_alias[k] is None):
-                        self._new_parked.append((rec.index, k, key))
-        deferred = session.blocks and session.enter(Site(node.id, its))
-        position = session.submit(
-            Run(
-                func, ins_args, ins_kwargs, refs,
-                tuple(base + first + j for j in range(n_ret)),
-                tuple((base + x._vid, new) for x, new in moves),
-                rec.index, rec.key.loc, data_dependent, arena_out, torch.is_grad_enabled(), recipe,
-                recipe and schema_of(func).random, deferred,
-            )
+        clean = not data_dependent and slots and all(x is None for x in slots)
+        position = self._issue(
+            rec, node, func, ins_args, ins_kwargs, refs,
+            tuple((base + x._vid, new) for x, new in moves), data_dependent, clean,
+            torch.is_grad_enabled(),
         )  # fmt: skip
-        if rec.index in self.trace.in_try:
-            self._run_now(position, rec)
+        if self.backwards.capturing:
+            self.backwards.log(
+                rec, func, args, kwargs, tuple((x._vid, new - base) for x, new in moves),
+                torch.is_grad_enabled(), frozenset((a, i) for a, i, _v in refs),
+            )  # fmt: skip
         for x, new in moves:
             session.retarget(x, new - base, position)
         if data_dependent:  # Python needs the result (or its shape) now: a fetch
@@ -363,6 +390,45 @@ class Skeleton(Recorder):
         if not plan:
             return None, ()
         return (out[0] if len(plan) == 1 else tuple(out)), node.out_alias[:n_ret]
+
+    def _issue(
+        self, rec: OpRecord, node: Any, func: Any, ins_args: list, ins_kwargs: dict, refs: tuple,
+        moves: tuple, data_dependent: bool, clean: bool, grad_mode: bool,
+    ) -> int:
+        """Send op ``rec`` (matched to ``node``) to the executor: into the open planned block,
+        with its arena place and, under a budget, its recipe and due drops and moves.
+        ``clean``: every output is a new tensor (none written in place). Its position."""
+        session = self.session
+        remat = session.remat
+        base, first, n_ret = session.base, len(self.trace.values), node.n_returned
+        its = iterations(self.cursor.placed[rec.index][1]) if session.schedule is not None else ()
+        arena_out = None
+        if session.arena is not None and clean:
+            arena_out = self._arena_out(func, node, its, n_ret)
+        recipe = False
+        if remat is not None:
+            if clean:
+                recipe = self._is_recipe(remat, node, rec, its, n_ret)
+            due = remat.after.get(Site(node.id, its))
+            if due:
+                self._due.extend(due)
+            if remat.parked:
+                for k in range(n_ret):
+                    key = StorageKey(node.id, k, its)
+                    if key in remat.parked and (k >= len(node.out_alias) or node.out_alias[k] is None):
+                        self._new_parked.append((rec.index, k, key))
+        deferred = session.blocks and session.enter(Site(node.id, its))
+        position = session.submit(
+            Run(
+                func, ins_args, ins_kwargs, refs,
+                tuple(base + first + j for j in range(n_ret)),
+                moves, rec.index, rec.key.loc, data_dependent, arena_out, grad_mode, recipe,
+                recipe and schema_of(func).random, deferred,
+            )
+        )  # fmt: skip
+        if rec.index in self.trace.in_try:
+            self._run_now(position, rec)
+        return position
 
     def _run_now(self, position: int, rec: OpRecord) -> None:
         """An op inside a user's ``try``: wait for it, so that if it fails its error is raised

@@ -38,6 +38,7 @@ from .blocks import BlockIndex
 from .causes import max_traces_message
 from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
+from .gradients import SavedTensors
 from .skeleton import Session, Skeleton, raise_executor_error
 
 PHASES = ("tracing", "coexec", "eager")
@@ -75,6 +76,9 @@ class TapeStats:
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
     native_runs: int = 0  # of the latest co-executed step: runs of its deferred ops without the GIL
+    # of the latest co-executed step: its backward() calls issued as known gradient blocks,
+    # without the autograd engine (coexec/gradients.py)
+    gradient_blocks: int = 0
     # of the latest co-executed step: its deferred ops run ahead of their block's launch or
     # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
     run_ahead: RunAhead = RunAhead()
@@ -114,6 +118,7 @@ class Program:
         self.arena: torch.Tensor | None = None  # its arena, allocated whole
         self.block_index: BlockIndex | None = None  # its blocks, for the skeleton (coexec/blocks.py)
         self.arena_outs: dict = {}  # its arena placements per op (Session.arena_outs)
+        self.gradient_blocks: dict = {}  # its backward calls' blocks (coexec/gradients.py)
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
@@ -546,7 +551,23 @@ def _meet(t: torch.Tensor) -> None:
 
 
 class _TracingRecorder(Recorder):
+    """Records a traced step with the skeleton's saved-tensor hooks (the same ops recorded)."""
+
     on_external = staticmethod(_meet)
+
+    def __init__(self, saved_hooks: bool) -> None:
+        super().__init__()
+        self.saved = SavedTensors(None, self.unrecorded, self.same_value)
+        self.saved_hooks = saved_hooks
+
+    def start(self, base: Any) -> None:
+        super().start(base)
+        if self.saved_hooks:
+            self.saved.install()
+
+    def stop(self, error: BaseException | None = None) -> None:
+        self.saved.remove()
+        super().stop(error)
 
 
 class _ProgramSkeleton(Skeleton):
@@ -569,7 +590,7 @@ class _Step:
         self.rec: Recorder | None = None
         self.session: Session | None = None
         if self.phase == "tracing":
-            self.rec = _TracingRecorder()
+            self.rec = _TracingRecorder(saved_hooks=tape.memory_budget is None)
             self.rec.start(frame)
         elif self.phase == "coexec":
             ex = runtime.executor()
@@ -577,7 +598,10 @@ class _Step:
                 ex.reset()
             self.session = self._new_session(program)
             self.ex0 = ex.stats()
-            self.rec = _ProgramSkeleton(program.graph, self.session)
+            # (under a memory budget, steps keep autograd's own saved tensors: its plans and
+            # their recipes are made on those traces)
+            blocks = program.gradient_blocks if tape.memory_budget is None else None
+            self.rec = _ProgramSkeleton(program.graph, self.session, blocks)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
 
@@ -631,6 +655,9 @@ class _Step:
         if fresh and target.stats.phase == "coexec" and planned_alike:
             old, self.session = self.session, self._new_session(target)
             sk.session, sk.graph = self.session, target.graph
+            if sk.backwards.blocks is not None:
+                sk.backwards.blocks = target.gradient_blocks
+            sk.backwards.saved.session = self.session
             sk.cursor = Cursor(target.graph, sk.trace, mutate=False)
             old.close()
             return
@@ -751,6 +778,7 @@ class _Step:
         stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
         stats.planned_blocks = now.blocks - before.blocks
         stats.native_runs = now.native_runs - before.native_runs
+        stats.gradient_blocks = self.rec.backwards.replayed
         stats.run_ahead = now.run_ahead - before.run_ahead
         stats.step_seconds = time.perf_counter() - self.t0
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
@@ -775,6 +803,8 @@ class _Step:
             self._note(why)
         merged = program.graph.merge_placed(trace)
         added = merged.changed
+        if added:  # its blocks name the graph's nodes as they were
+            program.gradient_blocks.clear()
         stats.traces += added
         tape = self.tape
         if added:

@@ -182,6 +182,29 @@ class Recorder:
         """The step met ``t`` from outside it for the first time (a batch, a parameter,
         optimizer state): ``coexec`` tells models apart by their parameters here."""
 
+    def torch_call(self, func: Any, args: tuple, kwargs: dict, loc: Location) -> Any:
+        """Run a torch-level call (not a fetch) made at ``loc``; its ATen ops are recorded."""
+        return self.call(func, args, kwargs, loc)
+
+    def call(self, func: Any, args: tuple, kwargs: dict, loc: Location) -> Any:
+        saved = self.call_loc, self.sub
+        self.call_loc, self.sub = loc, 0
+        try:
+            if self.skip_subclass_torch_function:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        finally:
+            self.call_loc, self.sub = saved
+
+    def unrecorded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with its ops not recorded."""
+        self.suppress += 1
+        try:
+            return fn(*args)
+        finally:
+            self.suppress -= 1
+
     def storage_key(self, t: torch.Tensor) -> int | None:
         """An identity for the storage behind ``t`` (None if it has none)."""
         try:
@@ -225,6 +248,12 @@ class Recorder:
         self.trace.externals.append(vid)
         self.on_external(t)
         return vid
+
+    def same_value(self, t: torch.Tensor, of: torch.Tensor) -> None:
+        """``t`` stands for ``of``'s current value (autograd's saved copy of it)."""
+        vid = self.vmap.get(of)
+        if vid is not None:
+            self.vmap[t] = vid
 
     # -- locations ------------------------------------------------------------------------
     def capture(self, frame: types.FrameType | None) -> Location:
@@ -479,15 +508,7 @@ class _FunctionMode(TorchFunctionMode):
             args = list(args)
             args[pos] = _fetch_nested(rec, args[pos], loc)
             return _unrecorded(rec, func, args, kwargs)
-        saved = rec.call_loc, rec.sub
-        rec.call_loc, rec.sub = loc, 0
-        try:
-            if rec.skip_subclass_torch_function:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **kwargs)
-            return func(*args, **kwargs)
-        finally:
-            rec.call_loc, rec.sub = saved
+        return rec.torch_call(func, args, kwargs, loc)
 
 
 def _caller(frame: types.FrameType) -> types.FrameType:

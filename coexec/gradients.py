@@ -1,0 +1,587 @@
+"""Gradient blocks: ``loss.backward()`` on a covered path without the autograd engine.
+
+While a step co-executes, autograd runs on placeholders: the engine walks its graph and every
+gradient op comes back through the dispatch mode to be matched and issued one at a time
+(DESIGN.md §4), costing as much Python per op as the forward, for ops the TraceGraph knows.
+So the first covered step at a ``backward()`` call runs the engine as before and keeps what it
+issued as a :class:`GradientBlock`, keyed by the exact ops the step ran before the call. A
+later step that ran the same ops issues the block directly: no engine, no placeholders for
+intermediate gradients, ``.grad`` bound to placeholders of the final ones.
+
+What autograd does besides issuing ops is done here too, or the block is not used:
+
+* saved tensors are held through saved-tensor hooks (:class:`SavedTensors`), so the ones the
+  engine would let go of after the backward are let go of at the same point, with autograd's
+  in-place modification check;
+* a block is made only where no Python ran inside the backward (tensor or module hooks, custom
+  ``autograd.Function`` s, checkpointing: watched while the engine runs), and used only while
+  the graph has no Python nodes, the parameters it reaches have no hooks, their ``.grad`` is
+  empty or not as when the block was made, and the step registered no hooks and no
+  ``retain_grad``.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from executor import Free
+from tracegraph.schema import TENSOR_LIST, TensorMeta, schema_of
+from tracegraph.trace import OpKey, OpRecord, Value
+
+from .placeholder import Placeholder
+
+if TYPE_CHECKING:
+    from .skeleton import Session, Skeleton
+
+# Where a gradient op's input comes from, in the step that issues the block.
+SEG = 0  # a value the block made: ``a`` counts from the block's first value
+OUT = 1  # output ``b`` of op ``a`` of the step
+IN = 2  # input ``b`` of op ``a`` of the step (an external tensor)
+GRAD = 3  # the ``.grad`` leaf ``a`` had before the backward
+
+
+class Ref(NamedTuple):
+    kind: int
+    a: int
+    b: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GradientOp:
+    """One op of a block, with its arguments less the tensors (``slots`` says where each
+    input goes: argument position or name, and index in a tensor list or -1)."""
+
+    key: OpKey
+    node_id: int
+    args: tuple
+    kwargs: tuple  # (name, value) pairs
+    slots: tuple
+    inputs: tuple[Ref, ...]
+    writes: tuple[int, ...]
+    backward_of: int | None
+    out_alias: tuple
+    n_returned: int
+    out_struct: tuple
+    out_metas: tuple[TensorMeta, ...]
+    out_bytes: tuple  # per output: its new storage's bytes (None: it shares an input's)
+    moves: tuple[tuple[int, int], ...]  # (input position, output) written in place
+    grad_mode: bool
+    frees: tuple[int, ...]  # block values (SEG numbering) let go of after this op
+    by_ref: tuple[bool, ...]  # per slot: the executor's value (else the tensor itself)
+
+
+@dataclass(frozen=True, slots=True)
+class LeafGrad:
+    """A leaf the backward reaches: where the step first used it, what ``.grad`` it had,
+    and the block value its ``.grad`` holds after."""
+
+    first_use: tuple[int, int]
+    grad_meta: TensorMeta | None  # of the ``.grad`` it had before (None: it had none)
+    final: int
+
+
+@dataclass(frozen=True, slots=True)
+class GradientBlock:
+    ops: tuple[GradientOp, ...]
+    leaves: tuple[LeafGrad, ...]
+    n_holders: int  # saved tensors held when the backward started
+    released: tuple[int, ...]  # which of them the engine let go of
+
+
+_FREED = (
+    "Trying to backward through the graph a second time (or directly access saved tensors "
+    "after they have already been freed). Saved intermediate values of the graph are freed "
+    "when you call .backward() or autograd.grad(). Specify retain_graph=True if you need to "
+    "backward through the graph a second time or if you need to access saved tensors after "
+    "calling backward."
+)
+
+
+class _Saved:
+    """A saved tensor as the graph holds it: the tensor (None once let go of), the tensor
+    whose version counter autograd checks, and the version it had."""
+
+    __slots__ = ("t", "src", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor | None, src: Any, version: int) -> None:
+        self.t = t
+        self.src = src
+        self.version = version
+
+    def modified(self) -> str | None:
+        src = self.src() if isinstance(self.src, weakref.ref) else self.src
+        if src is None or src._version == self.version:
+            return None
+        return (
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{TensorMeta.of(src).short()}] is at version {src._version}; "
+            f"expected version {self.version} instead."
+        )
+
+
+def _unpack(h: _Saved) -> torch.Tensor:
+    if h.t is None:
+        raise RuntimeError(_FREED)
+    why = h.modified()
+    if why is not None:
+        raise RuntimeError(why)
+    return h.t
+
+
+class SavedTensors:
+    """Saved-tensor hooks for one recorded step (traced or co-executed: both record the same
+    ops, and none of the ``detach`` autograd would issue for a saved output).
+
+    A placeholder is saved as a new placeholder of the same value without its autograd
+    history (the original saved as an output would hold its own node: a cycle that only
+    backward breaks), so the executor keeps the value while the graph holds it; any other
+    tensor as autograd keeps it. ``holders`` lists them in the order they were saved, which
+    is the same in steps that ran the same ops.
+    """
+
+    def __init__(self, session: "Session | None", suppress: Any, same_value: Any) -> None:
+        self.session = session
+        self.suppress = suppress  # runs a call unrecorded
+        self.same_value = same_value  # records that a tensor is another's value
+        self.holders: list[weakref.ref] = []
+        self.installed = False
+
+    def install(self) -> None:
+        if torch._C._autograd._saved_tensors_hooks_is_enabled():
+            # (the graph keeps the hooks of every tensor it saved: they must not keep the step)
+            me = weakref.ref(self)
+            torch._C._autograd._push_saved_tensors_default_hooks(lambda t: me().pack(t), _unpack)
+            self.installed = True
+
+    def remove(self) -> None:
+        if self.installed:
+            self.installed = False
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def pack(self, t: torch.Tensor) -> _Saved:
+        if isinstance(t, Placeholder):
+            session = self.session
+            if t._session is session and t._real is None and session is not None:
+                alias = session.alias(t)
+            else:
+                alias = Placeholder(TensorMeta.of(t), None, t._vid)
+                alias._real = t.real()
+            h = _Saved(alias, weakref.ref(t), t._version)
+        elif t.grad_fn is not None:  # (not the tensor itself: a saved output would hold its node)
+            d = self.suppress(t.detach)
+            h = _Saved(d, d, t._version)
+        else:
+            h = _Saved(t, t, t._version)
+        self.holders.append(weakref.ref(h))
+        if h.t is not t:
+            self.same_value(h.t, t)
+        return h
+
+    def alive(self) -> list[int]:
+        return [i for i, ref in enumerate(self.holders) if ref() is not None]
+
+    def releasable(self, which: tuple[int, ...]) -> bool:
+        """Can the saved tensors ``which`` be let go of as the engine would after a
+        backward? Not if one is gone, or was modified in place since it was saved (the
+        engine raises then)."""
+        holders = self.holders
+        for i in which:
+            h = holders[i]()
+            if h is None or h.t is None or h.modified():
+                return False
+        return True
+
+    def release(self, which: tuple[int, ...]) -> None:
+        holders = self.holders
+        for i in which:
+            h = holders[i]()
+            if h is not None:
+                h.t = None
+
+
+# -- what a backward reaches ----------------------------------------------------------------
+def reached_leaves(root: Any) -> list[torch.Tensor] | None:
+    """The leaves the graph from ``root`` accumulates into, in a fixed order; None if a node
+    runs Python (a custom Function, a module's backward hook) or a leaf has hooks."""
+    leaves: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            return None
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            if leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
+                return None
+            leaves.append(leaf)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    return leaves
+
+
+# Python the engine may run for coexec itself while it runs the backward over placeholders.
+_OWN_FILES = ("/coexec/", "/tracegraph/", "/torch/_compile.py", "/torch/_library/", "/torch/utils/_python_dispatch.py", "weakref.py")  # fmt: skip
+_ENGINE_CODE = torch.autograd.graph._engine_run_backward.__code__
+
+
+class PythonWatch:
+    """Sees whether the autograd engine called any Python that is not coexec's own (hooks,
+    Python backward functions, checkpoint's recomputation) while active, in this thread."""
+
+    def __init__(self) -> None:
+        self.seen: str | None = None
+        self._old: Any = None
+        self._inside = False
+
+    def __enter__(self) -> "PythonWatch":
+        self._old = sys.getprofile()
+        sys.setprofile(self._event)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self._old)
+
+    def _event(self, frame: Any, event: str, arg: Any) -> None:
+        # Python called while the engine (a C call from _engine_run_backward) runs
+        if frame.f_code is _ENGINE_CODE and event[0] == "c" and getattr(arg, "__name__", "") == "run_backward":
+            self._inside = event == "c_call"
+        elif event == "call" and self._inside and self.seen is None:
+            back = frame.f_back
+            if back is not None and back.f_code is _ENGINE_CODE:
+                name = frame.f_code.co_filename
+                if not any(s in name for s in _OWN_FILES):
+                    self.seen = f"{frame.f_code.co_name} ({name}:{frame.f_code.co_firstlineno})"
+
+
+# torch-level calls after which a step's backward runs Python the graph does not show
+HOOK_CALLS = frozenset({
+    torch.Tensor.register_hook, torch._C.TensorBase.retain_grad,
+    torch.Tensor.register_post_accumulate_grad_hook,
+})  # fmt: skip
+
+
+class Backwards:
+    """A skeleton step's ``backward()`` calls: each issues a known block, or runs the engine
+    (and, the first time at a key, keeps what it issued as a block).
+
+    ``blocks``: the program's blocks by key, None where none can be made (kept across steps,
+    emptied when its graph changes); None for a step that uses none.
+    """
+
+    def __init__(self, skeleton: "Skeleton", blocks: dict | None) -> None:
+        self.sk = skeleton
+        self.blocks = blocks
+        self.saved = SavedTensors(skeleton.session, skeleton.unrecorded, skeleton.same_value)
+        self.hooked = False  # the step registered a hook or retain_grad
+        self.capturing = False
+        self._log: dict[int, tuple] = {}
+        self.replayed = 0
+
+    def log(
+        self, rec: OpRecord, func: Any, args: tuple, kwargs: dict, moves: tuple, grad_mode: bool,
+        refs: frozenset,
+    ) -> None:
+        """While capturing: op ``rec`` as issued (``moves``: (old, new) trace value ids;
+        ``refs``: the argument slots the executor filled with its own values)."""
+        slots = tensor_slots(func, args, kwargs)
+        by_ref = tuple(s in refs for s in slots) if slots is not None else None
+        self._log[rec.index] = (
+            func, slots, tuple(_strip(a) for a in args), tuple((k, _strip(v)) for k, v in kwargs.items()),
+            moves, grad_mode, by_ref,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """The step ended: let go of it (the hooks and the skeleton refer to each other)."""
+        self.sk = None
+        self.saved.suppress = self.saved.same_value = None
+
+    def backward(self, func: Any, loc: Any, args: tuple, kwargs: dict) -> Any:
+        sk = self.sk
+        loss = args[0] if args else None
+        plain = (
+            len(args) == 1 and not any(v is not None and v is not False for v in kwargs.values())
+            and isinstance(loss, Placeholder) and loss.grad_fn is not None
+            and not self.hooked and self.saved.installed and sk.session.remat is None
+            and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        )  # fmt: skip
+        if not plain or sk.eager:
+            return sk.call(func, args, kwargs, loc)
+        ops = sk.trace.ops
+        key = (loc, tuple(op.key for op in ops), torch.is_grad_enabled())
+        if key in self.blocks:
+            block = self.blocks[key]
+            if block is not None and self._replay(block, loss):
+                self.replayed += 1
+                return None
+            return sk.call(func, args, kwargs, loc)
+        return self._capture(key, loss, func, args, kwargs, loc)
+
+    # -- making a block -------------------------------------------------------------------
+    def _capture(self, key: tuple, loss: Placeholder, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
+        sk = self.sk
+        trace = sk.trace
+        leaves = reached_leaves(loss.grad_fn)
+        before = [leaf.grad for leaf in leaves] if leaves is not None else []
+        b0, v0 = len(trace.ops), len(trace.values)
+        held = self.saved.alive()
+        n_holders = len(self.saved.holders)
+        self.capturing, self._log = True, {}
+        try:
+            with PythonWatch() as watch:
+                out = sk.call(func, args, kwargs, loc)
+        finally:
+            self.capturing = False
+        block = None
+        if leaves is not None and watch.seen is None and not sk.eager:
+            block = self._make(b0, v0, leaves, before, held, n_holders)
+        self._log = {}
+        self.blocks[key] = block
+        return out
+
+    def _make(self, b0: int, v0: int, leaves: list, before: list, held: list, n_holders: int) -> GradientBlock | None:
+        sk = self.sk
+        trace = sk.trace
+        ops, values = trace.ops, trace.values
+        first_use: dict[int, tuple[int, int]] = {}
+        for op in ops[:b0]:
+            for pos, v in enumerate(op.inputs):
+                if values[v].producer is None:
+                    first_use.setdefault(v, (op.index, pos))
+        grad_of = {id(g): i for i, g in enumerate(before) if g is not None}
+
+        def ref(v: int) -> Ref | None:
+            value = values[v]
+            if v >= v0:
+                if value.producer is not None:
+                    return Ref(SEG, v - v0)
+                i = grad_of.get(id(sk.ext_tensors.get(v)))
+                return Ref(GRAD, i) if i is not None else None
+            if value.producer is not None:
+                return Ref(OUT, value.producer, value.out_index)
+            where = first_use.get(v)
+            return Ref(IN, *where) if where is not None else None
+
+        # the values Python holds after: the leaves' gradients, nothing else of the block
+        alive = {vid - v0 for _t, vid in sk.vmap.items() if vid >= v0}
+        finals = []
+        for leaf in leaves:
+            vid = sk.vmap.get(leaf.grad) if leaf.grad is not None else None
+            use = sk.first_use.get(leaf)
+            if vid is None or vid < v0 or use is None:
+                return None
+            finals.append(vid - v0)
+        if alive - set(finals):
+            return None
+        moved: set[int] = set()
+        last_use: dict[int, int] = {}
+        drafts = []
+        for j, op in enumerate(ops[b0:]):
+            logged = self._log.get(op.index)
+            if logged is None or op.python_result:
+                return None
+            func, slots, args, kwargs, moves, grad_mode, by_ref = logged
+            if schema_of(func).data_dependent or schema_of(func).dynamic_shape:
+                return None
+            inputs = tuple(ref(v) for v in op.inputs)
+            if slots is None or None in inputs or len(slots) != len(inputs):
+                return None
+            for r in inputs:
+                if r.kind == SEG:
+                    last_use[r.a] = j
+            node, _ctx = sk.cursor.placed[op.index]
+            mv = []
+            for old, new in moves:
+                pos = op.inputs.index(old)
+                mv.append((pos, op.outputs.index(new)))
+                if old >= v0:
+                    moved.add(old - v0)
+            for v in op.outputs:
+                last_use.setdefault(v - v0, j)
+            drafts.append((op, node.id, func, args, kwargs, slots, inputs, tuple(mv), grad_mode, by_ref))
+        keep = set(finals) | moved
+        frees: dict[int, list[int]] = {}
+        for s, j in last_use.items():
+            if s not in keep and values[v0 + s].producer is not None:
+                frees.setdefault(j, []).append(s)
+        block_ops = []
+        for j, (op, node_id, func, args, kwargs, slots, inputs, mv, grad_mode, by_ref) in enumerate(drafts):
+            out_bytes = tuple(
+                trace.storage_bytes.get(values[v].storage) if a is None else None
+                for v, a in zip(op.outputs, op.out_alias)
+            )
+            block_ops.append(GradientOp(
+                op.key, node_id, args, kwargs, slots, inputs, op.writes, op.backward_of, op.out_alias, op.n_returned,
+                op.out_struct, tuple(values[v].meta for v in op.outputs), out_bytes, mv,
+                grad_mode, tuple(frees.get(j, ())), by_ref,
+            ))  # fmt: skip
+        leaf_grads = tuple(
+            LeafGrad(sk.first_use.get(leaf), TensorMeta.of(g) if g is not None else None, f)
+            for leaf, g, f in zip(leaves, before, finals)
+        )
+        released = tuple(i for i in held if self.saved.holders[i]() is None)
+        return GradientBlock(tuple(block_ops), leaf_grads, n_holders, released)
+
+    # -- issuing a block ------------------------------------------------------------------
+    def _replay(self, block: GradientBlock, loss: Placeholder) -> bool:
+        sk = self.sk
+        session = sk.session
+        leaves = reached_leaves(loss.grad_fn)
+        if leaves is None or len(leaves) != len(block.leaves) or len(self.saved.holders) != block.n_holders:
+            return False
+        first_use = sk.first_use
+        for leaf, lg in zip(leaves, block.leaves):
+            g = leaf.grad
+            if first_use.get(leaf) != lg.first_use:
+                return False
+            if (g is None) != (lg.grad_meta is None) or (g is not None and TensorMeta.of(g) != lg.grad_meta):
+                return False
+        if not self.saved.releasable(block.released):
+            return False
+        trace = sk.trace
+        ops, values = trace.ops, trace.values
+        base = session.base
+        v0 = len(values)
+        grads = [leaf.grad for leaf in leaves]
+        made: dict[int, int] = {}  # block value -> position of the op that made it
+        python: dict[int, torch.Tensor] = {}  # value -> the Python tensor holding it (.grad)
+        for gop in block.ops:
+            index = len(ops)
+            inputs = []
+            for r in gop.inputs:
+                if r.kind == SEG:
+                    inputs.append(v0 + r.a)
+                elif r.kind == OUT:
+                    inputs.append(ops[r.a].outputs[r.b])
+                elif r.kind == IN:
+                    inputs.append(ops[r.a].inputs[r.b])
+                else:
+                    vid = sk.value_of(grads[r.a])
+                    python[vid] = grads[r.a]
+                    inputs.append(vid)
+            inputs = tuple(inputs)
+            rec = OpRecord(
+                index, gop.key, inputs, (), gop.writes, False, gop.backward_of, gop.out_alias,
+                gop.n_returned, gop.out_struct,
+            )  # fmt: skip
+            node = sk.cursor.op(rec)
+            if node.id != gop.node_id:  # the graph matched as when the block was made
+                raise AssertionError("coexec: a gradient block went off its graph")
+            args, kwargs = list(gop.args), dict(gop.kwargs)
+            refs = []
+            for (arg, item), vid, by_ref in zip(gop.slots, inputs, gop.by_ref):
+                if by_ref:
+                    refs.append((arg, item, base + vid))
+                    continue
+                t = python.get(vid)
+                if t is None:
+                    ext = _external(ops, values, vid)
+                    if ext is None:  # a value Python read before (bound): the executor has it
+                        refs.append((arg, item, base + vid))
+                        continue
+                    t = sk.ext_tensors[ext]
+                if isinstance(t, Placeholder):
+                    t = t.real()
+                if item < 0:
+                    if isinstance(arg, int):
+                        args[arg] = t
+                    else:
+                        kwargs[arg] = t
+                else:
+                    holder = args if isinstance(arg, int) else kwargs
+                    if type(holder[arg]) is not _Copied:
+                        holder[arg] = _Copied(holder[arg])
+                    holder[arg][item] = t
+            first = len(values)
+            moves = tuple((base + inputs[p], base + first + k) for p, k in gop.moves if gop.by_ref[p])
+            clean = not gop.moves and gop.n_returned > 0
+            position = sk._issue(rec, node, gop.key.func, args, kwargs, tuple(refs), moves, False, clean, gop.grad_mode)
+            outputs = []
+            for k, (meta, alias, nbytes) in enumerate(zip(gop.out_metas, gop.out_alias, gop.out_bytes)):
+                if alias is None:
+                    sid = sk._new_storage()
+                    trace.storage_bytes[sid] = nbytes
+                else:
+                    sid = values[inputs[alias]].storage
+                values.append(Value(first + k, index, k, meta, sid))
+                outputs.append(first + k)
+            rec.outputs = tuple(outputs)
+            ops.append(rec)
+            for k in range(len(outputs)):
+                made[first - v0 + k] = position
+            for p, k in gop.moves:
+                t = python.pop(inputs[p], None)
+                if t is not None:
+                    python[outputs[k]] = t
+                    sk.vmap[t] = outputs[k]
+                    if isinstance(t, Placeholder) and t._session is session and t._real is None:
+                        session.retarget(t, outputs[k], position)
+            if gop.frees:
+                for s in gop.frees:
+                    trace.released[v0 + s] = index + 1
+                session.submit(Free(tuple(base + v0 + s for s in gop.frees)))
+        for leaf, lg, g in zip(leaves, block.leaves, grads):
+            if g is None:
+                vid = v0 + lg.final
+                ph = session.new_placeholder(values[vid].meta, vid, made[lg.final])
+                sk.vmap[ph] = vid
+                leaf.grad = ph
+        self.saved.release(block.released)
+        dead = session.sweep()
+        if dead:
+            session.submit(Free(dead))
+        return True
+
+
+def _external(ops: list, values: list, vid: int) -> int | None:
+    """The external value an in-place chain of ``vid`` started from (None: it started from
+    an op's new tensor)."""
+    while values[vid].producer is not None:
+        op = ops[values[vid].producer]
+        alias = op.out_alias[values[vid].out_index]
+        if alias is None:
+            return None
+        vid = op.inputs[alias]
+    return vid
+
+
+class _Copied(list):
+    """A tensor-list argument copied for one issue of a block op."""
+
+
+def tensor_slots(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    """Where each tensor argument of a call is, in the order the recorder flattens them:
+    ``(argument position or name, index in a tensor list or -1)``."""
+    sch = schema_of(func)
+    slots = []
+    for i, name in enumerate(sch.arg_names):
+        if i < len(args):
+            v, where = args[i], i
+        elif name in kwargs:
+            v, where = kwargs[name], name
+        else:
+            continue
+        if isinstance(v, torch.Tensor):
+            slots.append((where, -1))
+        elif sch.kinds[i] == TENSOR_LIST and isinstance(v, (list, tuple)):
+            if not isinstance(where, int):
+                return None  # (the executor takes tensor lists by position only)
+            slots.extend((where, j) for j, t in enumerate(v) if isinstance(t, torch.Tensor))
+    return tuple(slots)
+
+
+def _strip(a: Any) -> Any:
+    """An argument without its tensors (None in their place)."""
+    if isinstance(a, torch.Tensor):
+        return None
+    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+        return [None if isinstance(x, torch.Tensor) else x for x in a]
+    return a
