@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -269,6 +269,18 @@ HOOK_CALLS = frozenset({
 })  # fmt: skip
 
 
+class _Issued(NamedTuple):
+    """An op as the skeleton issued it while a block was captured."""
+
+    func: Any
+    slots: tuple | None  # tensor_slots
+    args: tuple  # without the tensors (_strip)
+    kwargs: tuple  # (name, value) pairs, without the tensors
+    moves: tuple  # (old, new) trace value ids of the placeholders it wrote
+    grad_mode: bool
+    by_ref: tuple | None  # per slot: filled with the executor's value
+
+
 class Backwards:
     """A skeleton step's ``backward()`` calls: each issues a known block, or runs the engine
     (and, the first time at a key, keeps what it issued as a block).
@@ -283,20 +295,22 @@ class Backwards:
         self.saved = SavedTensors(skeleton.session, skeleton.unrecorded, skeleton.same_value)
         self.hooked = False  # the step registered a hook or retain_grad
         self.capturing = False
-        self._log: dict[int, tuple] = {}
+        self._log: dict[int, _Issued] = {}
         self.replayed = 0
 
     def log(
-        self, rec: OpRecord, func: Any, args: tuple, kwargs: dict, moves: tuple, grad_mode: bool,
-        refs: frozenset,
+        self, rec: OpRecord, func: Any, args: tuple, kwargs: dict, moves: list, refs: tuple,
+        base: int, grad_mode: bool,
     ) -> None:
-        """While capturing: op ``rec`` as issued (``moves``: (old, new) trace value ids;
-        ``refs``: the argument slots the executor filled with its own values)."""
+        """While capturing: op ``rec`` as ``Skeleton.execute`` issued it (``moves``: the
+        placeholders it wrote, with their new executor value ids; ``refs``: the argument slots
+        the executor filled with its own values)."""
         slots = tensor_slots(func, args, kwargs)
-        by_ref = tuple(s in refs for s in slots) if slots is not None else None
-        self._log[rec.index] = (
+        filled = {(a, i) for a, i, _v in refs}
+        self._log[rec.index] = _Issued(
             func, slots, tuple(_strip(a) for a in args), tuple((k, _strip(v)) for k, v in kwargs.items()),
-            moves, grad_mode, by_ref,
+            tuple((x._vid, new - base) for x, new in moves), grad_mode,
+            tuple(s in filled for s in slots) if slots is not None else None,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -304,7 +318,7 @@ class Backwards:
         self.sk = None
         self.saved.suppress = self.saved.same_value = None
 
-    def backward(self, func: Any, loc: Any, args: tuple, kwargs: dict) -> Any:
+    def backward(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
         sk = self.sk
         loss = args[0] if args else None
         plain = (
@@ -363,7 +377,7 @@ class Backwards:
             if v >= v0:
                 if value.producer is not None:
                     return Ref(SEG, v - v0)
-                i = grad_of.get(id(sk.ext_tensors.get(v)))
+                i = grad_of.get(id(sk.externals.get(v)))
                 return Ref(GRAD, i) if i is not None else None
             if value.producer is not None:
                 return Ref(OUT, value.producer, value.out_index)
@@ -383,46 +397,45 @@ class Backwards:
             return None
         moved: set[int] = set()
         last_use: dict[int, int] = {}
-        drafts = []
+        block_ops = []
         for j, op in enumerate(ops[b0:]):
-            logged = self._log.get(op.index)
-            if logged is None or op.python_result:
+            issued = self._log.get(op.index)
+            if issued is None or op.python_result:
                 return None
-            func, slots, args, kwargs, moves, grad_mode, by_ref = logged
-            if schema_of(func).data_dependent or schema_of(func).dynamic_shape:
-                return None
+            sch = schema_of(issued.func)
             inputs = tuple(ref(v) for v in op.inputs)
-            if slots is None or None in inputs or len(slots) != len(inputs):
+            if (
+                sch.data_dependent or sch.dynamic_shape or issued.slots is None or None in inputs
+                or len(issued.slots) != len(inputs)
+            ):  # fmt: skip
                 return None
             for r in inputs:
                 if r.kind == SEG:
                     last_use[r.a] = j
-            node, _ctx = sk.cursor.placed[op.index]
-            mv = []
-            for old, new in moves:
-                pos = op.inputs.index(old)
-                mv.append((pos, op.outputs.index(new)))
-                if old >= v0:
-                    moved.add(old - v0)
             for v in op.outputs:
                 last_use.setdefault(v - v0, j)
-            drafts.append((op, node.id, func, args, kwargs, slots, inputs, tuple(mv), grad_mode, by_ref))
-        keep = set(finals) | moved
-        frees: dict[int, list[int]] = {}
-        for s, j in last_use.items():
-            if s not in keep and values[v0 + s].producer is not None:
-                frees.setdefault(j, []).append(s)
-        block_ops = []
-        for j, (op, node_id, func, args, kwargs, slots, inputs, mv, grad_mode, by_ref) in enumerate(drafts):
+            mv = []
+            for old, new in issued.moves:
+                mv.append((op.inputs.index(old), op.outputs.index(new)))
+                if old >= v0:
+                    moved.add(old - v0)
             out_bytes = tuple(
                 trace.storage_bytes.get(values[v].storage) if a is None else None
                 for v, a in zip(op.outputs, op.out_alias)
             )
             block_ops.append(GradientOp(
-                op.key, node_id, args, kwargs, slots, inputs, op.writes, op.backward_of, op.out_alias, op.n_returned,
-                op.out_struct, tuple(values[v].meta for v in op.outputs), out_bytes, mv,
-                grad_mode, tuple(frees.get(j, ())), by_ref,
+                op.key, sk.cursor.placed[op.index][0].id, issued.args, issued.kwargs, issued.slots,
+                inputs, op.writes, op.backward_of, op.out_alias, op.n_returned, op.out_struct,
+                tuple(values[v].meta for v in op.outputs), out_bytes, tuple(mv), issued.grad_mode,
+                (), issued.by_ref,
             ))  # fmt: skip
+        keep = set(finals) | moved
+        frees: dict[int, list[int]] = {}
+        for s, j in last_use.items():
+            if s not in keep and values[v0 + s].producer is not None:
+                frees.setdefault(j, []).append(s)
+        for j, free in frees.items():
+            block_ops[j] = replace(block_ops[j], frees=tuple(free))
         leaf_grads = tuple(
             LeafGrad(sk.first_use.get(leaf), TensorMeta.of(g) if g is not None else None, f)
             for leaf, g, f in zip(leaves, before, finals)
@@ -487,7 +500,7 @@ class Backwards:
                     if ext is None:  # a value Python read before (bound): the executor has it
                         refs.append((arg, item, base + vid))
                         continue
-                    t = sk.ext_tensors[ext]
+                    t = sk.externals[ext]
                 if isinstance(t, Placeholder):
                     t = t.real()
                 if item < 0:

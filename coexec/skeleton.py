@@ -42,7 +42,6 @@ from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
 
 _UNKNOWN = object()
-_BACKWARD = torch.Tensor.backward
 _session_ids = itertools.count(1)
 _VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
 
@@ -112,11 +111,7 @@ class Session:
         """Another placeholder of ``ph``'s value, without its autograd history: the value
         is kept while either lives (coexec/gradients.py holds saved tensors so)."""
         self.aliased = True
-        a = Placeholder(TensorMeta.of(ph), self, ph._vid)
-        entry = [ph._vid, weakref.ref(a), torch._C._WeakTensorRef(a)]
-        a._entry = entry
-        self.tracked.append(entry)
-        return a
+        return self.new_placeholder(TensorMeta.of(ph), ph._vid, self.produced_at[ph._vid])
 
     def retarget(self, ph: Placeholder, vid: int, position: int) -> None:
         """An in-place op made a new value of ``ph``'s tensor."""
@@ -263,9 +258,10 @@ class Skeleton(Recorder):
         super().__init__()
         self.graph = graph
         self.session = session
-        self.ext_tensors: dict[int, torch.Tensor] = {}  # external value id -> its tensor
         # (None: the step keeps autograd's saved tensors and runs every backward on the engine)
         self.backwards = Backwards(self, gradient_blocks)
+        self.special = dict.fromkeys(HOOK_CALLS, self._hooked)
+        self.special[torch.Tensor.backward] = self.backwards.backward
         self.cursor: Cursor | None = None
         self.eager = False
         self.fallback_reason: str | None = None  # its message (fallback_why.message)
@@ -292,22 +288,12 @@ class Skeleton(Recorder):
     def stop(self, error: BaseException | None = None) -> None:
         self.backwards.saved.remove()
         super().stop(error)
-        self.ext_tensors = {}
         self.backwards.close()
+        self.special = {}
 
-    def value_of(self, t: torch.Tensor) -> int:
-        vid = self.vmap.get(t)
-        if vid is None:
-            vid = super().value_of(t)
-            if self.trace.values[vid].producer is None:
-                self.ext_tensors[vid] = t
-        return vid
-
-    def torch_call(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
-        if func is _BACKWARD and not self.eager:
-            return self.backwards.backward(func, loc, args, kwargs)
-        if func in HOOK_CALLS:
-            self.backwards.hooked = True
+    def _hooked(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
+        """A hook or ``retain_grad``: this step's backward runs Python the graph does not show."""
+        self.backwards.hooked = True
         return self.call(func, args, kwargs, loc)
 
     # -- ops ------------------------------------------------------------------------------
@@ -355,16 +341,13 @@ class Skeleton(Recorder):
         ]
         ins_args, ins_kwargs, refs = _encode(args, kwargs, session)
         clean = not data_dependent and slots and all(x is None for x in slots)
+        grad_mode = torch.is_grad_enabled()
         position = self._issue(
             rec, node, func, ins_args, ins_kwargs, refs,
-            tuple((base + x._vid, new) for x, new in moves), data_dependent, clean,
-            torch.is_grad_enabled(),
+            tuple((base + x._vid, new) for x, new in moves), data_dependent, clean, grad_mode,
         )  # fmt: skip
         if self.backwards.capturing:
-            self.backwards.log(
-                rec, func, args, kwargs, tuple((x._vid, new - base) for x, new in moves),
-                torch.is_grad_enabled(), frozenset((a, i) for a, i, _v in refs),
-            )  # fmt: skip
+            self.backwards.log(rec, func, args, kwargs, moves, refs, base, grad_mode)
         for x, new in moves:
             session.retarget(x, new - base, position)
         if data_dependent:  # Python needs the result (or its shape) now: a fetch

@@ -557,16 +557,17 @@ class _TracingRecorder(Recorder):
 
     def __init__(self, saved_hooks: bool) -> None:
         super().__init__()
-        self.saved = SavedTensors(None, self.unrecorded, self.same_value)
-        self.saved_hooks = saved_hooks
+        self.saved = SavedTensors(None, self.unrecorded, self.same_value) if saved_hooks else None
 
     def start(self, base: Any) -> None:
         super().start(base)
-        if self.saved_hooks:
+        if self.saved is not None:
             self.saved.install()
 
     def stop(self, error: BaseException | None = None) -> None:
-        self.saved.remove()
+        if self.saved is not None:
+            self.saved.remove()
+            self.saved = None  # (its hooks refer to this recorder)
         super().stop(error)
 
 

@@ -376,7 +376,6 @@ class _Worker:
                 self._run_deferred(k)
                 self.ahead[0] += 1
             self.cursor += 1
-        return None
 
     def _stop(self, reason: int) -> None:
         """Count where running ahead stopped (once per op and reason)."""

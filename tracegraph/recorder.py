@@ -106,7 +106,9 @@ class Recorder:
         self.vmap = _TensorMap(self._released)  # tensor -> value id
         self.first_use = _TensorMap()  # leaf -> (op, input pos)
         self.ext_storage: dict[int, int] = {}  # StorageImpl address -> storage id
-        self.held: list[torch.UntypedStorage] = []  # external storages, alive while recording
+        # external value id -> its tensor, alive while recording (a storage's address must not
+        # be reused while mapped)
+        self.externals: dict[int, torch.Tensor] = {}
         self.n_storages = 0
         self.call_loc: Location | None = None  # location of the current torch-level call
         self.sub = 0
@@ -117,6 +119,8 @@ class Recorder:
         self.node_key: Any = None
         self.bsub = 0
         self._modes: tuple | None = None
+        # torch-level calls a subclass runs itself: func -> handler(func, args, kwargs, loc)
+        self.special: dict[Any, Any] = {}
         self.thread = threading.get_ident()  # the recording thread (set again by start)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -154,7 +158,7 @@ class Recorder:
             self.trace.alive_at_end = frozenset(
                 vid for _t, vid in self.vmap.items()
             )
-            self.held.clear()
+            self.externals.clear()
             self.vmap.clear()  # (each entry's death callback refers to its map: a cycle)
             self.first_use.clear()
             self.base = None
@@ -182,11 +186,9 @@ class Recorder:
         """The step met ``t`` from outside it for the first time (a batch, a parameter,
         optimizer state): ``coexec`` tells models apart by their parameters here."""
 
-    def torch_call(self, func: Any, args: tuple, kwargs: dict, loc: Location) -> Any:
-        """Run a torch-level call (not a fetch) made at ``loc``; its ATen ops are recorded."""
-        return self.call(func, args, kwargs, loc)
-
     def call(self, func: Any, args: tuple, kwargs: dict, loc: Location) -> Any:
+        """Run a torch-level call (not a fetch) made at ``loc``; its ATen ops are recorded
+        (the calls in :attr:`special` go to their handler instead)."""
         saved = self.call_loc, self.sub
         self.call_loc, self.sub = loc, 0
         try:
@@ -197,11 +199,11 @@ class Recorder:
         finally:
             self.call_loc, self.sub = saved
 
-    def unrecorded(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` with its ops not recorded."""
+    def unrecorded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` with its ops not recorded."""
         self.suppress += 1
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             self.suppress -= 1
 
@@ -243,8 +245,8 @@ class Recorder:
             sid = self._new_storage(t)
             if addr is not None:
                 self.ext_storage[addr] = sid
-                self.held.append(t)  # the storage's address must not be reused while mapped
         vid = self._new_value(None, 0, t, sid)
+        self.externals[vid] = t
         self.trace.externals.append(vid)
         self.on_external(t)
         return vid
@@ -494,21 +496,24 @@ class _FunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         frame = sys._getframe(1)
         if frame.f_code in REBUILD_CODES:
-            return _unrecorded(rec, func, args, kwargs)
+            return rec.unrecorded(func, *args, **kwargs)
         loc = rec.capture(frame)
         kind = FETCH_CALLS.get(func)
         if kind is not None:
             target = args[0] if args else None
             rec.on_fetch(kind, target, loc)
             rec.before_fetch(kind, target)
-            return _unrecorded(rec, func, args, kwargs)
+            return rec.unrecorded(func, *args, **kwargs)
         ctor = DATA_CONSTRUCTORS.get(func)
         if ctor is not None and _reads_tensors(args, *ctor):
             pos = ctor[0]
             args = list(args)
             args[pos] = _fetch_nested(rec, args[pos], loc)
-            return _unrecorded(rec, func, args, kwargs)
-        return rec.torch_call(func, args, kwargs, loc)
+            return rec.unrecorded(func, *args, **kwargs)
+        handler = rec.special.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs, loc)
+        return rec.call(func, args, kwargs, loc)
 
 
 def _caller(frame: types.FrameType) -> types.FrameType:
@@ -516,14 +521,6 @@ def _caller(frame: types.FrameType) -> types.FrameType:
     while frame.f_back is not None and CODES.code_id(frame.f_code) == 0:
         frame = frame.f_back
     return frame
-
-
-def _unrecorded(rec: Recorder, func: Any, args: Any, kwargs: dict) -> Any:
-    rec.suppress += 1
-    try:
-        return func(*args, **kwargs)
-    finally:
-        rec.suppress -= 1
 
 
 def _reads_tensors(args: Any, pos: int, copies_tensor: bool) -> bool:
@@ -562,7 +559,7 @@ class _DispatchMode(TorchDispatchMode):
             return func(*args, **kwargs)
         if rec.call_loc is None and _caller(sys._getframe(1)).f_code in REBUILD_CODES:
             # (``set_`` onto a storage is issued without a torch-level call)
-            return _unrecorded(rec, func, args, kwargs)
+            return rec.unrecorded(func, *args, **kwargs)
         return rec.on_op(func, args, kwargs)
 
 

@@ -627,8 +627,6 @@ class BlockRun {
 
 }  // namespace
 
-// The launched block's remaining runs, in the order to run them; None when one of them cannot
-// run natively (the caller runs the block in Python).
 // Run a launched block's deferred runs natively (see BlockRun::run); None when one of them
 // cannot run natively or a value it reads must be brought back first (the caller runs them in
 // Python).
