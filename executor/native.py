@@ -21,12 +21,18 @@ for the skeleton to hand the GIL back): docs/coexec.md, *Native blocks*.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 _SOURCE = Path(__file__).resolve().parent / "native" / "blocks.cpp"
+_NAME = "coexec_native"
+_FLAGS = ["-O2"]
+_STALE_LOCK_SECONDS = 1800  # a build takes about a minute on 2 cores
 _lock = threading.Lock()
 _done = threading.Event()
 _module: ModuleType | None = None
@@ -72,12 +78,12 @@ def _build() -> None:
     try:
         from torch.utils import cpp_extension
 
-        _module = cpp_extension.load(
-            name="coexec_native", sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False
-        )
+        _compile()
+        _module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_FLAGS, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: run in Python
-        lines = str(e).strip().splitlines() or [""]
-        said = next((x for x in lines if "error:" in x), lines[0])  # (the compiler's, not its command)
+        text = getattr(e, "stderr", None) or str(e)
+        lines = text.strip().splitlines() or [""]
+        said = next((x for x in lines if "error:" in x), lines[-1])  # (the compiler's, not its command)
         warnings.warn(
             "coexec: the native block runner could not be built, so the executor runs ops "
             f"one Python call at a time (slower, same results): {type(e).__name__}: {said.strip()}",
@@ -86,3 +92,27 @@ def _build() -> None:
         )
     finally:
         _done.set()
+
+
+def _compile() -> None:
+    """Build into torch's extension cache, where it is not built yet, in a child process. (Built in this process's
+    background thread, a build cut short by the program's exit left torch's ``lock`` file
+    behind, and every later build waited on it for good; a child finishes the build.) A lock
+    older than any build is such a leftover (a killed build) and goes first."""
+    from torch.utils import cpp_extension
+
+    where = Path(cpp_extension._get_build_directory(_NAME, False))
+    built = where / f"{_NAME}.so"
+    if built.exists() and built.stat().st_mtime >= _SOURCE.stat().st_mtime:
+        return  # (built already: loading it takes a second)
+    lock = where / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    script = (
+        "from torch.utils import cpp_extension; "
+        f"cpp_extension.load(name={_NAME!r}, sources=[{str(_SOURCE)!r}], extra_cflags={_FLAGS!r})"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
