@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -269,6 +270,24 @@ HOOK_CALLS = frozenset({
 })  # fmt: skip
 
 
+MAX_BLOCKS_PER_CALL = 8  # blocks made at one backward() call (each capture watches the engine)
+_UNSEEN = object()
+
+
+class GradientBlocks:
+    """A program's blocks by key (None where none can be made), and how many were made per
+    ``backward()`` call site: where keys never repeat, capturing stops. Kept across steps,
+    emptied when the program's graph changes (blocks name its nodes)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple, GradientBlock | None] = {}
+        self.made: Counter = Counter()
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self.made.clear()
+
+
 class _Issued(NamedTuple):
     """An op as the skeleton issued it while a block was captured."""
 
@@ -285,13 +304,13 @@ class Backwards:
     """A skeleton step's ``backward()`` calls: each issues a known block, or runs the engine
     (and, the first time at a key, keeps what it issued as a block).
 
-    ``blocks``: the program's blocks by key, None where none can be made (kept across steps,
-    emptied when its graph changes); None for a step that uses none.
+    ``blocks``: the program's (None for a step that uses none).
     """
 
-    def __init__(self, skeleton: "Skeleton", blocks: dict | None) -> None:
+    def __init__(self, skeleton: "Skeleton", blocks: GradientBlocks | None) -> None:
         self.sk = skeleton
         self.blocks = blocks
+        self.grad_modes: list[bool] = []  # per op issued: grad mode (Skeleton._issue)
         self.saved = SavedTensors(skeleton.session, skeleton.unrecorded, skeleton.same_value)
         self.hooked = False  # the step registered a hook or retain_grad
         self.capturing = False
@@ -329,15 +348,25 @@ class Backwards:
         )  # fmt: skip
         if not plain or sk.eager:
             return sk.call(func, args, kwargs, loc)
-        ops = sk.trace.ops
-        key = (loc, tuple(op.key for op in ops), torch.is_grad_enabled())
-        if key in self.blocks:
-            block = self.blocks[key]
-            if block is not None and self._replay(block, loss):
-                self.replayed += 1
-                return None
+        ops, modes = sk.trace.ops, self.grad_modes
+        if len(modes) != len(ops):
             return sk.call(func, args, kwargs, loc)
-        return self._capture(key, loss, func, args, kwargs, loc)
+        # the ops before, exactly where they may have built autograd nodes (a Python scalar
+        # one saved is in its key); elsewhere without their scalars (an optimizer's step
+        # size, say, changes every step and cannot change the backward)
+        key = (
+            loc, torch.is_grad_enabled(),
+            tuple(op.key if g else (op.key.func, op.key.metas, op.key.loc) for op, g in zip(ops, modes)),
+        )  # fmt: skip
+        blocks = self.blocks
+        block = blocks.by_key.get(key, _UNSEEN)
+        if block is _UNSEEN and blocks.made[loc] < MAX_BLOCKS_PER_CALL:
+            blocks.made[loc] += 1
+            return self._capture(key, loss, func, args, kwargs, loc)
+        if block is not _UNSEEN and block is not None and self._replay(block, loss):
+            self.replayed += 1
+            return None
+        return sk.call(func, args, kwargs, loc)
 
     # -- making a block -------------------------------------------------------------------
     def _capture(self, key: tuple, loss: Placeholder, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
@@ -358,7 +387,7 @@ class Backwards:
         if leaves is not None and watch.seen is None and not sk.eager:
             block = self._make(b0, v0, leaves, before, held, n_holders)
         self._log = {}
-        self.blocks[key] = block
+        self.blocks.by_key[key] = block
         return out
 
     def _make(self, b0: int, v0: int, leaves: list, before: list, held: list, n_holders: int) -> GradientBlock | None:

@@ -37,7 +37,7 @@ from tracegraph.schema import TensorMeta, schema_of
 from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
 from .blocks import BlockIndex
 from .errors import ValueLostError
-from .gradients import HOOK_CALLS, Backwards
+from .gradients import HOOK_CALLS, Backwards, GradientBlocks
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
 
@@ -254,7 +254,7 @@ class Skeleton(Recorder):
 
     skip_subclass_torch_function = True
 
-    def __init__(self, graph: TraceGraph, session: Session, gradient_blocks: dict | None = None) -> None:
+    def __init__(self, graph: TraceGraph, session: Session, gradient_blocks: GradientBlocks | None = None) -> None:
         super().__init__()
         self.graph = graph
         self.session = session
@@ -400,6 +400,7 @@ class Skeleton(Recorder):
                     key = StorageKey(node.id, k, its)
                     if key in remat.parked and (k >= len(node.out_alias) or node.out_alias[k] is None):
                         self._new_parked.append((rec.index, k, key))
+        self.backwards.grad_modes.append(grad_mode)
         deferred = session.blocks and session.enter(Site(node.id, its))
         position = session.submit(
             Run(

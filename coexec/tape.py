@@ -38,7 +38,7 @@ from .blocks import BlockIndex
 from .causes import max_traces_message
 from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
-from .gradients import SavedTensors
+from .gradients import GradientBlocks, SavedTensors
 from .skeleton import Session, Skeleton, raise_executor_error
 
 PHASES = ("tracing", "coexec", "eager")
@@ -118,7 +118,7 @@ class Program:
         self.arena: torch.Tensor | None = None  # its arena, allocated whole
         self.block_index: BlockIndex | None = None  # its blocks, for the skeleton (coexec/blocks.py)
         self.arena_outs: dict = {}  # its arena placements per op (Session.arena_outs)
-        self.gradient_blocks: dict = {}  # its backward calls' blocks (coexec/gradients.py)
+        self.gradient_blocks = GradientBlocks()  # its backward calls' blocks
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
