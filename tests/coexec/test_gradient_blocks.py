@@ -1,0 +1,143 @@
+"""Gradient blocks (coexec/gradients.py): ``loss.backward()`` on a covered path issued without
+the autograd engine, bit-equal to eager, and the engine kept wherever Python runs inside the
+backward or the graph is not as when the block was made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import coexec
+
+from tests.coexec.helpers import assert_same_as_eager
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    data = [(torch.randn(8, 6), torch.randn(8, 1)) for _ in range(3)]
+    return {"model": model, "opt": opt, "data": data, "hooks": 0}
+
+
+def plain_step(state, i):
+    model, opt = state["model"], state["opt"]
+    x, y = state["data"][i % 3]
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_a_repeated_backward_is_issued_as_a_block_bit_equal_to_eager():
+    tape = assert_same_as_eager(make, plain_step, 8)
+    assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0
+    assert tape.stats.gradient_blocks == 1
+
+
+def test_grads_accumulated_over_steps_are_bit_equal():
+    """``.grad`` empty on some steps and filled on others: a block made for one is not used
+    for the other (the engine runs), and the sums are eager's."""
+
+    def step(state, i):
+        model, opt = state["model"], state["opt"]
+        x, y = state["data"][i % 3]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if i % 2:
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    assert_same_as_eager(make, step, 9)
+
+
+def test_a_tensor_hook_in_the_step_keeps_the_engine_and_runs_every_step():
+    def step(state, i):
+        model, opt = state["model"], state["opt"]
+        x, y = state["data"][i % 3]
+        opt.zero_grad()
+        h = model[1](model[0](x))
+        h.register_hook(lambda g: state.__setitem__("hooks", state["hooks"] + 1))
+        loss = F.mse_loss(model[4](model[3](model[2](h))), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    tape = assert_same_as_eager(make, step, 6)
+    assert tape.stats.coexec_steps > 0 and tape.stats.gradient_blocks == 0
+
+
+def test_a_parameter_hook_added_after_a_block_was_made_runs():
+    state = make()
+    tape = coexec.GradientTape(key="gb-late-hook")
+    calls, blocks = [], []
+    for i in range(8):
+        if i == 6:
+            state["model"][0].weight.register_hook(lambda g: calls.append(g.shape))
+        with tape:
+            plain_step(state, i)
+        blocks.append(tape.stats.gradient_blocks)
+    assert blocks[5] == 1 and blocks[6:] == [0, 0] and tape.stats.fallbacks == 0
+    assert calls == [torch.Size([12, 6])] * 2
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_a_custom_function_with_a_python_backward_keeps_the_engine():
+    def step(state, i):
+        model, opt = state["model"], state["opt"]
+        x, y = state["data"][i % 3]
+        opt.zero_grad()
+        loss = F.mse_loss(_Twice.apply(model(x)), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    tape = assert_same_as_eager(make, step, 6)
+    assert tape.stats.coexec_steps > 0 and tape.stats.gradient_blocks == 0
+
+
+def test_a_second_backward_raises_eagers_error_after_a_block():
+    state = make()
+    tape = coexec.GradientTape(key="gb-twice")
+    for i in range(7):
+        twice = i == 6
+        try:
+            with tape:
+                plain_step(state, i) if not twice else plain_step(state, i).backward()
+        except RuntimeError as e:
+            assert twice and "backward through the graph a second time" in str(e)
+            break
+        assert i < 5 or tape.stats.gradient_blocks == 1
+    else:
+        raise AssertionError("the second backward did not raise")
+
+
+def test_a_saved_tensor_modified_in_place_raises_as_in_eager():
+    def step(x):
+        y = x.exp()
+        z = (y * 2).sum()
+        with torch.no_grad():
+            y.add_(1)
+        z.backward()
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step(x)
+    tape = coexec.GradientTape(key="gb-inplace")
+    for _ in range(4):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            with tape:
+                step(x)
