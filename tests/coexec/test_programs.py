@@ -246,6 +246,9 @@ def test_a_program_whose_model_died_is_dropped():
     first = run(model, opt, data)._program
     plan = weakref.ref(first.schedule)
     assert first.graph.nodes() and first.stats.coexec_steps == 1
+    # the executor lets go of the step's values (the parameters, as in-place results among
+    # them) as it reaches the step's end: after that, a collection frees the model's cycles
+    coexec.synchronize()
     del model, opt
     gc.collect()
     run(*make(7, seed=7))  # the next step here finds the first program's parameters dead
