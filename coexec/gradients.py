@@ -560,8 +560,12 @@ class Backwards:
             for k in range(len(outputs)):
                 made[first - v0 + k] = position
             for p, k in gop.moves:
-                t = python.pop(inputs[p], None)
-                if t is not None:
+                old = inputs[p]
+                t = python.pop(old, None)
+                # a value of the step before the block (a ``.grad`` an earlier backward of
+                # the step made, written by this one): whichever tensors hold it now
+                held = [t] if t is not None else [] if gop.inputs[p].kind == SEG else _holders(sk.vmap, old)
+                for t in held:
                     python[outputs[k]] = t
                     sk.vmap[t] = outputs[k]
                     if isinstance(t, Placeholder) and t._session is session and t._real is None:
@@ -581,6 +585,11 @@ class Backwards:
         if dead:
             session.submit(Free(dead))
         return True
+
+
+def _holders(vmap: Any, vid: int) -> list[torch.Tensor]:
+    """The live tensors whose value is ``vid``."""
+    return [t for t, v in vmap.items() if v == vid]
 
 
 def _external(ops: list, values: list, vid: int) -> int | None:

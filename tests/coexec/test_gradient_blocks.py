@@ -55,6 +55,26 @@ def test_grads_accumulated_over_steps_are_bit_equal():
     assert_same_as_eager(make, step, 9)
 
 
+def test_two_backwards_in_a_step_accumulate_bit_equal_with_blocks():
+    """The second backward of a step adds into the ``.grad`` the first one made: its block
+    writes a value of the step, and ``.grad`` (and what reads it next, the optimizer) follows
+    the write (found by the fuzzer: the optimizer read the value before the write)."""
+
+    def step(state, i):
+        model, opt = state["model"], state["opt"]
+        x, y = state["data"][i % 3]
+        opt.zero_grad()
+        (F.mse_loss(model(x), y) * 0.5).backward()
+        loss2 = F.mse_loss(model(x.flip(0)), y.flip(0))
+        (loss2 * 0.5).backward()
+        opt.step()
+        return loss2
+
+    tape = assert_same_as_eager(make, step, 8)
+    assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0
+    assert tape.stats.gradient_blocks == 2
+
+
 def test_a_tensor_hook_in_the_step_keeps_the_engine_and_runs_every_step():
     def step(state, i):
         model, opt = state["model"], state["opt"]
