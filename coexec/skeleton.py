@@ -22,20 +22,34 @@ from typing import Any
 import torch
 
 from executor import (
-    Drop, Executor, ExecutorError, Follow, Free, FreeRange, HostPool, Launch, Offload, Prefetch,
-    ResetPeak, Restore, Run, Wait, span_bytes,
+    Drop,
+    Executor,
+    ExecutorError,
+    Follow,
+    Free,
+    FreeRange,
+    HostPool,
+    Launch,
+    Offload,
+    Prefetch,
+    ResetPeak,
+    Restore,
+    Run,
+    Wait,
+    span_bytes,
 )  # fmt: skip
 from planner import Block, Schedule, Site, StorageKey
 from planner import Drop as PlannedDrop
 from planner import Offload as PlannedOffload
 from planner import Prefetch as PlannedPrefetch
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
-from tracegraph.reasons import OTHER, FallbackReason
 from tracegraph.location import CODES
+from tracegraph.reasons import OTHER, FallbackReason
 from tracegraph.schema import TensorMeta, schema_of
 
 from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
 from .blocks import BlockIndex
+from .calls import MISS, TEMPLATES, issue, make_template, needs_grad, signature
 from .errors import ValueLostError
 from .gradients import HOOK_CALLS, Backwards, GradientBlocks
 from .placeholder import Placeholder
@@ -90,6 +104,7 @@ class Session:
         # per placeholder: [current value id, weak ref to the Python object, to the C++ tensor]
         self.tracked: list[list] = []
         self.aliased = False  # some values have two placeholders (Session.alias)
+        self.dropped: list[int] = []  # values made with no tensor to hold them (coexec/calls.py)
         self.orphans: dict[int, torch.Tensor] = {}  # values of tensors only C++ held at the end
         self.produced_at: dict[int, int] = {}  # trace value id -> executor position
         self.open = True
@@ -121,7 +136,8 @@ class Session:
     def sweep(self) -> tuple:
         """Forget the placeholders whose tensors are gone; their executor value ids."""
         dead = [e for e in self.tracked if e[2].expired()]
-        if not dead:
+        dropped = self.dropped
+        if not dead and not dropped:
             return ()
         # (by identity: a tensor that dies meanwhile waits for the next sweep)
         gone = {id(e) for e in dead}
@@ -129,6 +145,8 @@ class Session:
         vids = {e[0] for e in dead}
         if len(self.tracked) and self.aliased:  # a value another placeholder still holds
             vids -= {e[0] for e in self.tracked}
+        vids.update(dropped)
+        dropped.clear()
         return tuple(self.base + v for v in vids)
 
     def submit(self, ins: Any) -> int:
@@ -140,6 +158,34 @@ class Session:
             if dead:
                 self.executor.submit(Free(dead))
         return position
+
+    def encode(self, args: tuple, kwargs: dict) -> tuple[list, dict, tuple]:
+        """Arguments for the executor: this step's placeholders become value-id references
+        (``refs``: argument position or name, index in a list or -1, executor value id),
+        other steps' placeholders their real tensors."""
+        refs: list = []
+        out_args = list(args)
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                out_args[i] = self._ref(a, i, -1, refs)
+            elif isinstance(a, (list, tuple)) and any(isinstance(x, Placeholder) for x in a):
+                out_args[i] = [
+                    self._ref(x, i, j, refs) if isinstance(x, torch.Tensor) else x
+                    for j, x in enumerate(a)
+                ]
+        out_kwargs = dict(kwargs)
+        for name, a in kwargs.items():
+            if isinstance(a, torch.Tensor):
+                out_kwargs[name] = self._ref(a, name, -1, refs)
+        return out_args, out_kwargs, tuple(refs)
+
+    def _ref(self, t: torch.Tensor, arg: Any, item: int, refs: list) -> Any:
+        if isinstance(t, Placeholder):
+            if t._session is self and t._real is None:
+                refs.append((arg, item, self.base + t._vid))
+                return None
+            return t.real()
+        return t
 
     def enter(self, site: Site) -> bool:
         """The next op of the open block is at ``site``: True if it is deferred to run in a
@@ -277,6 +323,8 @@ class Skeleton(Recorder):
         self._new_recipes: list[tuple] = []
         self._new_parked: list[tuple] = []  # (op index, output slot, storage key) to offload
         self._due: list[Any] = []  # planned instructions due after the op just issued
+        self._issued: list | None = None  # while a call is captured: the ops execute issued
+        self.templated = 0  # calls issued from templates
 
     def start(self, base: Any) -> None:
         self.trace.computed = False
@@ -295,6 +343,59 @@ class Skeleton(Recorder):
         """A hook or ``retain_grad``: this step's backward runs Python the graph does not show."""
         self.backwards.hooked = True
         return self.call(func, args, kwargs, loc)
+
+    # -- torch-level calls -----------------------------------------------------------------
+    def call(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
+        """A torch-level call: issued from its template where one fits (coexec/calls.py), else
+        through the dispatcher (and a template made of it where it can be)."""
+        if self.eager or func in TEMPLATES.plain:
+            return super().call(func, args, kwargs, loc)
+        # (placeholders' metadata read as a plain tensor's, not through __torch_function__)
+        with torch._C.DisableTorchFunctionSubclass():
+            if (torch.is_grad_enabled() and needs_grad(args, kwargs)) or not self._templatable(kwargs, loc):
+                return super().call(func, args, kwargs, loc)
+            sig = signature(func, args, kwargs)
+            if sig is None or (sig.struct[1] and any(t.requires_grad for t in sig.tensors)):
+                return super().call(func, args, kwargs, loc)
+            template, capture = TEMPLATES.find(sig)
+            if template is not None:
+                out = issue(self, template, sig, loc)
+                if out is not MISS:
+                    self.templated += 1
+                    return out
+        if template is not None or not capture:
+            return super().call(func, args, kwargs, loc)
+        trace = self.trace
+        n0, f0 = len(trace.ops), len(trace.fetches)
+        self._issued = issued = []
+        try:
+            out = super().call(func, args, kwargs, loc)
+        finally:
+            self._issued = None  # (it holds the op's tensors)
+        if self.eager or len(trace.fetches) != f0:
+            return out
+        made = None
+        if len(trace.ops) == n0 + 1 and len(issued) == 1 and issued[0][0] == n0:
+            made = make_template(self, sig, trace.ops[n0], issued[0][1:], out)
+        elif len(trace.ops) == n0 and not isinstance(out, torch.Tensor):
+            TEMPLATES.plain.add(func)  # a Python value without an op (``dim``, ``shape``)
+        TEMPLATES.learn(sig, made)
+        return out
+
+    def _templatable(self, kwargs: dict, loc: Any) -> bool:
+        """Could a call here be issued from a template? Not if autograd, autocast, inference
+        mode or another mode may act on it, under a memory budget, inside a backward, or
+        inside a ``try`` (its op runs at once there)."""
+        return (
+            self.session.remat is None
+            and not kwargs.get("requires_grad")
+            and torch._C._current_autograd_node() is None
+            and not torch._C._is_any_autocast_enabled()
+            and not torch.is_inference_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 1
+            and torch._C._len_torch_function_stack() == 0
+            and not CODES.catches(loc, self.base_lasti)
+        )
 
     # -- ops ------------------------------------------------------------------------------
     def execute(
@@ -339,7 +440,9 @@ class Skeleton(Recorder):
             for j, x in enumerate(slots)
             if isinstance(x, Placeholder) and x._session is session and x._real is None
         ]
-        ins_args, ins_kwargs, refs = _encode(args, kwargs, session)
+        ins_args, ins_kwargs, refs = session.encode(args, kwargs)
+        if self._issued is not None:  # a call template may be made of it
+            self._issued.append((rec.index, func, args, kwargs, node))
         clean = not data_dependent and slots and all(x is None for x in slots)
         grad_mode = torch.is_grad_enabled()
         position = self._issue(
@@ -594,35 +697,6 @@ class Skeleton(Recorder):
 
 def raise_executor_error(err: ExecutorError) -> None:
     raise attach_issue_traceback(err, err.location)
-
-
-def _encode(args: tuple, kwargs: dict, session: Session) -> tuple[list, dict, tuple]:
-    """Arguments for the executor: this step's placeholders become value-id references, other
-    steps' placeholders their real tensors."""
-    refs = []
-    out_args = list(args)
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            out_args[i] = _ref(a, i, -1, refs, session)
-        elif isinstance(a, (list, tuple)) and any(isinstance(x, Placeholder) for x in a):
-            out_args[i] = [
-                _ref(x, i, j, refs, session) if isinstance(x, torch.Tensor) else x
-                for j, x in enumerate(a)
-            ]
-    out_kwargs = dict(kwargs)
-    for name, a in kwargs.items():
-        if isinstance(a, torch.Tensor):
-            out_kwargs[name] = _ref(a, name, -1, refs, session)
-    return out_args, out_kwargs, tuple(refs)
-
-
-def _ref(t: torch.Tensor, arg: Any, item: int, refs: list, session: Session) -> Any:
-    if isinstance(t, Placeholder):
-        if t._session is session and t._real is None:
-            refs.append((arg, item, session.base + t._vid))
-            return None
-        return t.real()
-    return t
 
 
 _RETURN_PLANS: dict[Any, tuple] = {}

@@ -79,6 +79,9 @@ class TapeStats:
     # of the latest co-executed step: its backward() calls issued as known gradient blocks,
     # without the autograd engine (coexec/gradients.py)
     gradient_blocks: int = 0
+    # of the latest co-executed step: its torch-level calls issued from call templates,
+    # without going through the dispatcher (coexec/calls.py)
+    templated_calls: int = 0
     # of the latest co-executed step: its deferred ops run ahead of their block's launch or
     # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
     run_ahead: RunAhead = RunAhead()
@@ -543,7 +546,8 @@ def _new_program(fam: Any) -> Program:
 
 def _meet(t: torch.Tensor) -> None:
     """A recorder met ``t`` from outside the step: a parameter may say which model runs."""
-    if isinstance(t, torch.nn.Parameter):
+    # (isinstance(t, Parameter) as its metaclass answers it, without its Python __instancecheck__)
+    if issubclass(type(t), torch.nn.Parameter) or getattr(t, "_is_param", False):
         tape = getattr(_local, "tape", None)
         step = tape._step if tape is not None else None
         if step is not None:
@@ -780,6 +784,7 @@ class _Step:
         stats.planned_blocks = now.blocks - before.blocks
         stats.native_runs = now.native_runs - before.native_runs
         stats.gradient_blocks = self.rec.backwards.replayed
+        stats.templated_calls = self.rec.templated
         stats.run_ahead = now.run_ahead - before.run_ahead
         stats.step_seconds = time.perf_counter() - self.t0
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
