@@ -11,6 +11,10 @@ Rows (microseconds per ATen op of the step, median over repeats of 10-step block
   skeleton built on Python modes pays at least this (plus placeholders and autograd on them).
 * record: eager plus tracegraph recording (the tracing phase).
 * coexec: a co-executed step (skeleton plus the executor thread, which shares the GIL).
+
+A second table times one kind of call alone: 200 ``p.add_(g, alpha=-0.01)`` under ``no_grad``
+(an optimizer's update, issued from a call template under coexec: coexec/calls.py), per call,
+eager against co-executed.
 """
 
 from __future__ import annotations
@@ -69,6 +73,19 @@ def per_op(fn, ops: int, repeats: int, block: int = 10) -> float:
     return statistics.median(samples)
 
 
+def make_updates(n: int = 200):
+    torch.manual_seed(0)
+    params = [torch.randn(16) for _ in range(n)]
+    grads = [torch.randn(16) for _ in range(n)]
+
+    def step() -> None:
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.add_(g, alpha=-0.01)
+
+    return step, n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
@@ -102,6 +119,20 @@ def main() -> None:
     assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0, tape.stats
     print(f"tiny MLP step, {ops} ATen ops, torch {torch.__version__}, 1 thread\n")
     print("| step | us/op | x eager |\n|---|---|---|")
+    for name, v in rows:
+        print(f"| {name} | {v:.1f} | {v / rows[0][1]:.1f} |")
+
+    update, calls = make_updates()
+    up_tape = coexec.GradientTape(key="skeleton-floor-updates")
+
+    def co_update() -> None:
+        with up_tape:
+            update()
+
+    rows = [("eager", per_op(update, calls, args.repeats)), ("coexec", per_op(co_update, calls, args.repeats))]
+    assert up_tape.stats.templated_calls == calls, up_tape.stats
+    print(f"\n{calls} no-grad p.add_(g, alpha=-0.01) calls, one step\n")
+    print("| step | us/call | x eager |\n|---|---|---|")
     for name, v in rows:
         print(f"| {name} | {v:.1f} | {v / rows[0][1]:.1f} |")
 
