@@ -31,9 +31,9 @@ import torch
 from tracegraph import NotCovered
 from tracegraph.location import SUB
 from tracegraph.schema import schema_of
-from tracegraph.trace import OpKey, OpRecord, Value
+from tracegraph.trace import OpKey, OpRecord
 
-from .gradients import tensor_slots
+from .arguments import put, strip, tensor_slots
 from .placeholder import Placeholder
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class CallTemplate:
     out_metas: tuple
     out_bytes: tuple  # per output: its new storage's bytes (None: it shares an input's)
     written: tuple[tuple[int, int], ...]  # (output, op input) the op wrote in place
-    written_out: frozenset  # those outputs
+    unheld: tuple[int, ...]  # returned outputs no tensor of the call's result holds
     result: tuple[_Result, ...]
     result_type: Any  # None: a single item; tuple or list
     clean: bool  # every output is a new tensor
@@ -230,7 +230,7 @@ def _merge(old: CallTemplate, new: CallTemplate) -> CallTemplate | None:
         tuple((i, a, item) for (a, item), i in fed.items()),
         tuple(i for i in range(len(new.numbers)) if i not in fed_numbers),
         new.writes, new.out_alias, new.n_returned, new.out_struct, new.out_metas, new.out_bytes,
-        new.written, new.written_out, new.result, new.result_type, new.clean,
+        new.written, new.unheld, new.result, new.result_type, new.clean,
     )  # fmt: skip
 
 
@@ -307,17 +307,13 @@ def make_template(sk: Skeleton, sig: Signature, rec: OpRecord, issued: tuple, ou
         (k, a) for k, a in enumerate(rec.out_alias)
         if a is not None and (k >= rec.n_returned or a in rec.writes)
     )  # fmt: skip
-    strip = [None if isinstance(a, torch.Tensor) else list(a) if type(a) in (list, tuple) and any(isinstance(x, torch.Tensor) for x in a) else a for a in args]
-    for arg, item in slots:
-        if isinstance(arg, int) and item >= 0:
-            strip[arg][item] = None
-    kw = tuple((k, None if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items())
+    held = {k for k, _a in written} | {r.index for r in result if r.kind == "out"}
     return CallTemplate(
-        func, rec.key.metas, tuple(strip), kw, slots, tuple(sources), tuple(sig.numbers), (),
-        tuple(range(len(sig.numbers))), rec.writes, rec.out_alias, rec.n_returned, rec.out_struct,
-        tuple(values[v].meta for v in rec.outputs), out_bytes, written, frozenset(k for k, _a in written),
-        tuple(result), result_type,
-        all(a is None for a in rec.out_alias),
+        func, rec.key.metas, tuple(strip(a) for a in args), tuple((k, strip(v)) for k, v in kwargs.items()),
+        slots, tuple(sources), tuple(sig.numbers), (), tuple(range(len(sig.numbers))), rec.writes,
+        rec.out_alias, rec.n_returned, rec.out_struct, tuple(values[v].meta for v in rec.outputs),
+        out_bytes, written, tuple(k for k in range(rec.n_returned) if k not in held), tuple(result),
+        result_type, all(a is None for a in rec.out_alias),
     )  # fmt: skip
 
 
@@ -334,18 +330,14 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
     inputs = tuple(value_of(tensors[j]) for j in t.sources)
     if sk.eager:  # meeting a parameter moved the step to another program, eagerly
         return MISS
-    first_use = sk.first_use
-    for pos, j in enumerate(t.sources):
-        x = tensors[j]
-        if x.requires_grad and x.is_leaf and first_use.get(x) is None:
-            first_use[x] = (index, pos)
+    sk.note_first_use(index, [tensors[j] for j in t.sources])
     args, kwargs = list(t.args), dict(t.kwargs)
     copied: set = set()  # list arguments copied from the template before being filled in
     numbers = sig.numbers
     for i, arg, item in t.fed:
-        _put(args, kwargs, copied, arg, item, numbers[i])
+        put(args, kwargs, copied, arg, item, numbers[i])
     for (arg, item), j in zip(t.slots, t.sources):
-        _put(args, kwargs, copied, arg, item, tensors[j])
+        put(args, kwargs, copied, arg, item, tensors[j])
     captured = t.numbers
     fed_same = all(numbers[i] == captured[i] and type(numbers[i]) is type(captured[i]) for i, _a, _j in t.fed)
     key = t.keys.get(loc) if fed_same else None
@@ -377,21 +369,10 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
     )  # fmt: skip
     for x, new in moves:
         session.retarget(x, new - base, position)
-    values = trace.values
-    vmap = sk.vmap
-    outputs = []
     out_metas = node.out_metas  # (as for any op the skeleton issues: the graph's)
     out_bytes = t.out_bytes if out_metas == t.out_metas else tuple(_bytes(m) for m in out_metas)
-    for k, (meta, alias, nbytes) in enumerate(zip(out_metas, t.out_alias, out_bytes)):
-        if alias is None:
-            sid = sk._new_storage()
-            trace.storage_bytes[sid] = nbytes
-        else:
-            sid = values[inputs[alias]].storage
-        values.append(Value(first + k, index, k, meta, sid))
-        outputs.append(first + k)
-    rec.outputs = tuple(outputs)
-    trace.ops.append(rec)
+    sk.append_op(rec, out_metas, out_bytes)
+    vmap = sk.vmap
     written = []
     for k, p in t.written:
         x = tensors[t.sources[p]]
@@ -413,10 +394,9 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
                 ph = made[r.index] = session.new_placeholder(out_metas[r.index], vid, position)
                 vmap[ph] = vid
             items.append(ph)
-    for k in range(t.n_returned):
-        if k not in made and k not in t.written_out:
-            trace.released[first + k] = index + 1  # made and let go of by the call
-            session.dropped.append(first + k)
+    for k in t.unheld:
+        trace.released[first + k] = index + 1  # made and let go of by the call
+        session.dropped.append(first + k)
     return items[0] if t.result_type is None else t.result_type(items)
 
 
@@ -428,14 +408,3 @@ def _bytes(meta: Any) -> int:
     if meta.stride is None:
         return meta.nbytes
     return (1 + sum((s - 1) * abs(st) for s, st in zip(meta.shape, meta.stride))) * meta.dtype.itemsize
-
-
-def _put(args: list, kwargs: dict, copied: set, arg: Any, item: int, v: Any) -> None:
-    holder = args if isinstance(arg, int) else kwargs
-    if item < 0:
-        holder[arg] = v
-        return
-    if arg not in copied:
-        copied.add(arg)
-        holder[arg] = list(holder[arg])
-    holder[arg][item] = v

@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from executor import Free
-from tracegraph.schema import TENSOR_LIST, TensorMeta, schema_of
-from tracegraph.trace import OpKey, OpRecord, Value
+from tracegraph.schema import TensorMeta, schema_of
+from tracegraph.trace import OpKey, OpRecord
 
+from .arguments import put, strip, tensor_slots
 from .placeholder import Placeholder
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class _Saved:
     """A saved tensor as the graph holds it: the tensor (None once let go of), the tensor
     whose version counter autograd checks, and the version it had."""
 
-    __slots__ = ("t", "src", "version", "__weakref__")
+    __slots__ = ("__weakref__", "src", "t", "version")
 
     def __init__(self, t: torch.Tensor | None, src: Any, version: int) -> None:
         self.t = t
@@ -145,7 +146,7 @@ class SavedTensors:
     is the same in steps that ran the same ops.
     """
 
-    def __init__(self, session: "Session | None", suppress: Any, same_value: Any) -> None:
+    def __init__(self, session: Session | None, suppress: Any, same_value: Any) -> None:
         self.session = session
         self.suppress = suppress  # runs a call unrecorded
         self.same_value = same_value  # records that a tensor is another's value
@@ -243,12 +244,12 @@ class PythonWatch:
         self._old: Any = None
         self._inside = False
 
-    def __enter__(self) -> "PythonWatch":
+    def __enter__(self) -> PythonWatch:
         self._old = sys.getprofile()
         sys.setprofile(self._event)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         sys.setprofile(self._old)
 
     def _event(self, frame: Any, event: str, arg: Any) -> None:
@@ -293,7 +294,7 @@ class _Issued(NamedTuple):
 
     func: Any
     slots: tuple | None  # tensor_slots
-    args: tuple  # without the tensors (_strip)
+    args: tuple  # without the tensors (arguments.strip)
     kwargs: tuple  # (name, value) pairs, without the tensors
     moves: tuple  # (old, new) trace value ids of the placeholders it wrote
     grad_mode: bool
@@ -307,7 +308,7 @@ class Backwards:
     ``blocks``: the program's (None for a step that uses none).
     """
 
-    def __init__(self, skeleton: "Skeleton", blocks: GradientBlocks | None) -> None:
+    def __init__(self, skeleton: Skeleton, blocks: GradientBlocks | None) -> None:
         self.sk = skeleton
         self.blocks = blocks
         self.grad_modes: list[bool] = []  # per op issued: grad mode (Skeleton._issue)
@@ -327,7 +328,7 @@ class Backwards:
         slots = tensor_slots(func, args, kwargs)
         filled = {(a, i) for a, i, _v in refs}
         self._log[rec.index] = _Issued(
-            func, slots, tuple(_strip(a) for a in args), tuple((k, _strip(v)) for k, v in kwargs.items()),
+            func, slots, tuple(strip(a) for a in args), tuple((k, strip(v)) for k, v in kwargs.items()),
             tuple((x._vid, new - base) for x, new in moves), grad_mode,
             tuple(s in filled for s in slots) if slots is not None else None,
         )  # fmt: skip
@@ -518,6 +519,7 @@ class Backwards:
             if node.id != gop.node_id:  # the graph matched as when the block was made
                 raise AssertionError("coexec: a gradient block went off its graph")
             args, kwargs = list(gop.args), dict(gop.kwargs)
+            copied: set = set()
             refs = []
             for (arg, item), vid, by_ref in zip(gop.slots, inputs, gop.by_ref):
                 if by_ref:
@@ -530,33 +532,13 @@ class Backwards:
                         refs.append((arg, item, base + vid))
                         continue
                     t = sk.externals[ext]
-                if isinstance(t, Placeholder):
-                    t = t.real()
-                if item < 0:
-                    if isinstance(arg, int):
-                        args[arg] = t
-                    else:
-                        kwargs[arg] = t
-                else:
-                    holder = args if isinstance(arg, int) else kwargs
-                    if type(holder[arg]) is not _Copied:
-                        holder[arg] = _Copied(holder[arg])
-                    holder[arg][item] = t
+                put(args, kwargs, copied, arg, item, t.real() if isinstance(t, Placeholder) else t)
             first = len(values)
             moves = tuple((base + inputs[p], base + first + k) for p, k in gop.moves if gop.by_ref[p])
             clean = not gop.moves and gop.n_returned > 0
             position = sk._issue(rec, node, gop.key.func, args, kwargs, tuple(refs), moves, False, clean, gop.grad_mode)
-            outputs = []
-            for k, (meta, alias, nbytes) in enumerate(zip(gop.out_metas, gop.out_alias, gop.out_bytes)):
-                if alias is None:
-                    sid = sk._new_storage()
-                    trace.storage_bytes[sid] = nbytes
-                else:
-                    sid = values[inputs[alias]].storage
-                values.append(Value(first + k, index, k, meta, sid))
-                outputs.append(first + k)
-            rec.outputs = tuple(outputs)
-            ops.append(rec)
+            sk.append_op(rec, gop.out_metas, gop.out_bytes)
+            outputs = rec.outputs
             for k in range(len(outputs)):
                 made[first - v0 + k] = position
             for p, k in gop.moves:
@@ -602,37 +584,3 @@ def _external(ops: list, values: list, vid: int) -> int | None:
             return None
         vid = op.inputs[alias]
     return vid
-
-
-class _Copied(list):
-    """A tensor-list argument copied for one issue of a block op."""
-
-
-def tensor_slots(func: Any, args: tuple, kwargs: dict) -> tuple | None:
-    """Where each tensor argument of a call is, in the order the recorder flattens them:
-    ``(argument position or name, index in a tensor list or -1)``."""
-    sch = schema_of(func)
-    slots = []
-    for i, name in enumerate(sch.arg_names):
-        if i < len(args):
-            v, where = args[i], i
-        elif name in kwargs:
-            v, where = kwargs[name], name
-        else:
-            continue
-        if isinstance(v, torch.Tensor):
-            slots.append((where, -1))
-        elif sch.kinds[i] == TENSOR_LIST and isinstance(v, (list, tuple)):
-            if not isinstance(where, int):
-                return None  # (the executor takes tensor lists by position only)
-            slots.extend((where, j) for j, t in enumerate(v) if isinstance(t, torch.Tensor))
-    return tuple(slots)
-
-
-def _strip(a: Any) -> Any:
-    """An argument without its tensors (None in their place)."""
-    if isinstance(a, torch.Tensor):
-        return None
-    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-        return [None if isinstance(x, torch.Tensor) else x for x in a]
-    return a

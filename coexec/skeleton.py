@@ -355,7 +355,7 @@ class Skeleton(Recorder):
             if (torch.is_grad_enabled() and needs_grad(args, kwargs)) or not self._templatable(kwargs, loc):
                 return super().call(func, args, kwargs, loc)
             sig = signature(func, args, kwargs)
-            if sig is None or (sig.struct[1] and any(t.requires_grad for t in sig.tensors)):
+            if sig is None or (torch.is_grad_enabled() and any(t.requires_grad for t in sig.tensors)):
                 return super().call(func, args, kwargs, loc)
             template, capture = TEMPLATES.find(sig)
             if template is not None:

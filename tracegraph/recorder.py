@@ -331,10 +331,7 @@ class Recorder:
         inputs = tuple(self.value_of(t) for t in tensors)
         metas = tuple(TensorMeta.of(t) for t in tensors)
         if node is None:
-            first_use = self.first_use
-            for pos, t in enumerate(tensors):
-                if t.requires_grad and t.is_leaf and first_use.get(t) is None:
-                    first_use[t] = (index, pos)
+            self.note_first_use(index, tensors)
         writes = tuple(i for i, arg in enumerate(owner) if arg in sch.writes)
         rec = OpRecord(
             index=index,
@@ -373,6 +370,32 @@ class Recorder:
         rec.python_result = out is not None and not results and not isinstance(out, (tuple, list))
         self.trace.ops.append(rec)
         return out
+
+    def note_first_use(self, index: int, tensors: Any) -> None:
+        """The forward op ``index`` takes ``tensors`` (flattened): where each leaf that
+        requires grad is first used (gradient accumulation is located by it)."""
+        first_use = self.first_use
+        for pos, t in enumerate(tensors):
+            if t.requires_grad and t.is_leaf and first_use.get(t) is None:
+                first_use[t] = (index, pos)
+
+    def append_op(self, rec: OpRecord, out_metas: tuple, out_bytes: tuple) -> int:
+        """Record op ``rec`` issued without running it here (its outputs known by metadata):
+        a value per output, on a new storage of ``out_bytes[k]`` bytes, or on the storage of
+        the input it aliases. Returns the first output's value id."""
+        trace = self.trace
+        values = trace.values
+        first = len(values)
+        for k, (meta, alias, nbytes) in enumerate(zip(out_metas, rec.out_alias, out_bytes)):
+            if alias is None:
+                sid = self._new_storage()
+                trace.storage_bytes[sid] = nbytes
+            else:
+                sid = values[rec.inputs[alias]].storage
+            values.append(Value(first + k, rec.index, k, meta, sid))
+        rec.outputs = tuple(range(first, len(values)))
+        trace.ops.append(rec)
+        return first
 
     def _aliases(self, tensors: list[torch.Tensor], results: list[torch.Tensor]) -> tuple:
         """For each output, the input whose storage it shares (checked on the real storages,

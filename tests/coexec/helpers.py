@@ -65,3 +65,14 @@ def assert_same_as_eager(make, step, steps: int, **tape_options: Any) -> coexec.
     for i, (a, b) in enumerate(zip(cp, ep)):
         assert torch.equal(a, b), f"state tensor {i} differs (max diff {(a - b).abs().max()})"
     return tape
+
+
+def train_step(state: dict, i: int) -> torch.Tensor:
+    """One plain training step on ``state`` (``model``, ``opt``, ``data``: a few batches)."""
+    model, opt = state["model"], state["opt"]
+    x, y = state["data"][i % len(state["data"])]
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import coexec
-from tests.coexec.helpers import assert_same_as_eager
+from tests.coexec.helpers import assert_same_as_eager, train_step
 
 
 def make(opt_class=torch.optim.Adam, **opt_args):
@@ -23,27 +23,17 @@ def make(opt_class=torch.optim.Adam, **opt_args):
     return build
 
 
-def step(state, i):
-    model, opt = state["model"], state["opt"]
-    x, y = state["data"][i % 3]
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
-
-
 def test_an_optimizer_step_is_issued_from_templates_bit_equal_to_eager():
     """Adam's step size changes every step (bias correction): the number is fed to the op,
     so the optimizer's calls stay templated step after step."""
-    tape = assert_same_as_eager(make(), step, 10)
+    tape = assert_same_as_eager(make(), train_step, 10)
     assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0
     # per parameter: exp_avg lerp_, exp_avg_sq mul_ and addcmul_, sqrt, div_, add_, addcdiv_
     assert tape.stats.templated_calls >= 4 * 7
 
 
 def test_sgd_with_momentum_is_bit_equal():
-    tape = assert_same_as_eager(make(torch.optim.SGD, momentum=0.9, weight_decay=1e-3), step, 8)
+    tape = assert_same_as_eager(make(torch.optim.SGD, momentum=0.9, weight_decay=1e-3), train_step, 8)
     assert tape.stats.templated_calls > 0
 
 

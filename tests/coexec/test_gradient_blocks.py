@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import coexec
-
-from tests.coexec.helpers import assert_same_as_eager
+from tests.coexec.helpers import assert_same_as_eager, train_step
 
 
 def make():
@@ -22,18 +21,8 @@ def make():
     return {"model": model, "opt": opt, "data": data, "hooks": 0}
 
 
-def plain_step(state, i):
-    model, opt = state["model"], state["opt"]
-    x, y = state["data"][i % 3]
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
-
-
 def test_a_repeated_backward_is_issued_as_a_block_bit_equal_to_eager():
-    tape = assert_same_as_eager(make, plain_step, 8)
+    tape = assert_same_as_eager(make, train_step, 8)
     assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0
     assert tape.stats.gradient_blocks == 1
 
@@ -99,7 +88,7 @@ def test_a_parameter_hook_added_after_a_block_was_made_runs():
         if i == 6:
             state["model"][0].weight.register_hook(lambda g: calls.append(g.shape))
         with tape:
-            plain_step(state, i)
+            train_step(state, i)
         blocks.append(tape.stats.gradient_blocks)
     assert blocks[5] == 1 and blocks[6:] == [0, 0] and tape.stats.fallbacks == 0
     assert calls == [torch.Size([12, 6])] * 2
@@ -136,7 +125,7 @@ def test_a_second_backward_raises_eagers_error_after_a_block():
         twice = i == 6
         try:
             with tape:
-                plain_step(state, i) if not twice else plain_step(state, i).backward()
+                train_step(state, i) if not twice else train_step(state, i).backward()
         except RuntimeError as e:
             assert twice and "backward through the graph a second time" in str(e)
             break
@@ -158,6 +147,5 @@ def test_a_saved_tensor_modified_in_place_raises_as_in_eager():
         step(x)
     tape = coexec.GradientTape(key="gb-inplace")
     for _ in range(4):
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            with tape:
-                step(x)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"), tape:
+            step(x)
