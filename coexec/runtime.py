@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from executor import Executor
+from executor import Executor, NativeExecutor, native
 
 from .placeholder import Placeholder
 
@@ -17,27 +17,44 @@ if TYPE_CHECKING:
 
 EXIT_TIMEOUT = 10.0  # seconds the interpreter's exit waits for the executor's last work
 _lock = threading.Lock()
-_executor: Executor | None = None
+# the process's executors: "native" (steps without a memory budget, once the native module is
+# built) and "python" (memory budgets; every step until then, or where it cannot be built)
+_executors: dict[str, Executor | NativeExecutor] = {}
+_last: Executor | NativeExecutor | None = None  # the one the latest step ran on
 _local = threading.local()  # .skeleton: the skeleton running in this thread, if any
 open_sessions: list[tuple["Session", list, list]] = []  # sessions a lazy step left running
 
 
-def executor() -> Executor:
-    """The executor thread (started on first use)."""
-    global _executor
+def executor(budget: bool = False) -> Executor | NativeExecutor:
+    """The executor for a step with (``budget``) or without a memory budget, started on first
+    use. A step that runs on another executor than the step before waits for that one first
+    (the two would otherwise update parameters in no set order)."""
+    global _last
+    built = None if budget else native.ready()
+    kind = "native" if built is not None else "python"
     with _lock:
-        if _executor is None:
-            _executor = Executor()
-            atexit.register(_stop_at_exit)
-        return _executor
+        ex = _executors.get(kind)
+        if ex is None:
+            if not _executors:
+                atexit.register(_stop_at_exit)
+            ex = _executors[kind] = NativeExecutor(built) if built is not None else Executor()
+        last, _last = _last, ex
+    if last is not None and last is not ex and last.alive and last.error is None:
+        last.drain(300.0)
+    return ex
+
+
+def executors() -> list[Executor | NativeExecutor]:
+    """The executors started so far."""
+    return list(_executors.values())
 
 
 def _stop_at_exit() -> None:
-    """Let the executor finish and stop before the interpreter tears down: a thread still in
+    """Let the executors finish and stop before the interpreter tears down: a thread still in
     torch while C++ statics are destroyed aborts the process ("terminate called without an
     active exception", exit status 134; seen in about 4 of 10 exits after a budgeted step)."""
-    if _executor is not None:
-        _executor.close(timeout=EXIT_TIMEOUT)
+    for ex in executors():
+        ex.close(timeout=EXIT_TIMEOUT)
 
 
 def active_skeleton() -> "Skeleton | None":
@@ -75,13 +92,11 @@ def synchronize() -> None:
     """Wait for all work in flight and bind every placeholder of steps that ran lazily
     (``GradientTape(sync="none")``). With the default ``sync="step"`` every step already
     synchronizes when its ``with`` block exits."""
-    ex = _executor
-    if ex is None:
-        return
     while open_sessions:
         session, leaves, optimizers = open_sessions.pop(0)
-        ex.drain(session.timeout)
+        session.executor.drain(session.timeout)
         session.bind_all()
         unescape(leaves, optimizers)
         session.close()
-    ex.drain(300.0)
+    for ex in executors():
+        ex.drain(300.0)

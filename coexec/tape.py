@@ -75,7 +75,7 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
-    native_runs: int = 0  # of the latest co-executed step: runs of its deferred ops without the GIL
+    native_ops: int = 0  # of the latest co-executed step: ops the native engine ran, without the GIL
     # of the latest co-executed step: its backward() calls issued as known gradient blocks,
     # without the autograd engine (coexec/gradients.py)
     gradient_blocks: int = 0
@@ -598,7 +598,7 @@ class _Step:
             self.rec = _TracingRecorder(saved_hooks=tape.memory_budget is None)
             self.rec.start(frame)
         elif self.phase == "coexec":
-            ex = runtime.executor()
+            ex = self.ex = runtime.executor(budget=tape.memory_budget is not None)
             if ex.error is not None or not ex.alive:
                 ex.reset()
             self.session = self._new_session(program)
@@ -611,7 +611,7 @@ class _Step:
             runtime.set_active_skeleton(self.rec)
 
     def _new_session(self, program: Program) -> Session:
-        return Session(runtime.executor(), self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs)
+        return Session(self.ex, self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs)
 
     # -- which program (coexec/programs.py) -------------------------------------------------
     def meet_parameter(self, t: torch.Tensor) -> None:
@@ -782,7 +782,7 @@ class _Step:
         stats.offloaded_storages = now.offloaded - before.offloaded
         stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
         stats.planned_blocks = now.blocks - before.blocks
-        stats.native_runs = now.native_runs - before.native_runs
+        stats.native_ops = now.native_ops - before.native_ops
         stats.gradient_blocks = self.rec.backwards.replayed
         stats.templated_calls = self.rec.templated
         stats.run_ahead = now.run_ahead - before.run_ahead

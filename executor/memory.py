@@ -36,8 +36,8 @@ _OLD_ARENA = -2
 
 
 class LiveBytes:
-    """The count in Python (``executor/native/blocks.cpp`` has the same class in C++, used
-    once the native runner is built; :func:`live_bytes` picks)."""
+    """The count in Python, the Python executor's (``executor/native/live_bytes.h`` has the same
+    class in C++, the native engine's)."""
 
     def __init__(self) -> None:
         self.clear()
@@ -154,18 +154,6 @@ class LiveBytes:
 
     def reset_peak(self) -> None:
         self.peak = self.live
-
-    def to_native(self, native: Any) -> Any:
-        """The same count in the native module's ``LiveBytes``."""
-        other = native.LiveBytes()
-        other.adopt(self.live, self.peak, self.arena, self._storages)
-        return other
-
-
-def live_bytes(native: Any) -> Any:
-    """A new count: the native module's ``LiveBytes`` when it is built (``native``), else
-    this module's."""
-    return native.LiveBytes() if native is not None else LiveBytes()
 
 
 def span_bytes(shape: tuple, stride: tuple, dtype: torch.dtype) -> int:

@@ -1,25 +1,22 @@
-"""The executor's native block runner (``native/blocks.cpp``): built at first use, in the
-background, and cached across processes.
+"""The executor's native module (``native/module.cpp``): built at first use, in the background,
+and cached across processes.
 
-A launched block runs as boxed dispatcher calls with the GIL released once for the whole block,
-instead of one Python call per op that needs the GIL back from the skeleton each time
-(docs/coexec.md, *Performance*). The same kernels run in the same order on the same thread, so
-results do not change. Building takes a minute on a 2-core machine the first time (then the
-compiled module is loaded from ``torch.utils.cpp_extension``'s cache: ``$TORCH_EXTENSIONS_DIR``
-or ``~/.cache/torch_extensions``); until it is ready, and where it cannot be built (no C++
-compiler), the executor runs blocks in Python, as it always could, after one warning.
+It holds the native engine (``native/engine.h``, driven by ``executor/engine.py``): the
+executor's queue, value table and run loop on a C++ thread that never takes the GIL, so ops run
+while the skeleton's Python runs instead of waiting for the GIL after every kernel
+(docs/coexec.md, *Performance*). The same kernels run in the same order with the same thread
+count, so results do not change. Building takes a minute on a 2-core machine the first time
+(then the compiled module is loaded from ``torch.utils.cpp_extension``'s cache:
+``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, under a name that carries a hash of
+the sources, so a checkout builds only when they changed); until it is ready, and where it
+cannot be built (no C++ compiler), the executor runs in Python, after one warning.
 
-It runs what is left of a block at its launch, when the skeleton waits. Ops the executor
-runs ahead of the launch, while the skeleton issues, stay one Python call each, holding the
-GIL: running them natively, in chunks, made steps slower on a 2-core CPU whatever the thread
-count (kernels beside the skeleton's Python oversubscribe the cores; each chunk's end waits
-for the skeleton to hand the GIL back): docs/coexec.md, *Native blocks*.
-
-``COEXEC_NATIVE=0`` in the environment keeps the Python runner (to compare the two).
+``COEXEC_NATIVE=0`` in the environment keeps the Python executor (to compare the two).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -29,9 +26,22 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
-_SOURCE = Path(__file__).resolve().parent / "native" / "blocks.cpp"
-_NAME = "coexec_native"
+_DIR = Path(__file__).resolve().parent / "native"
+_SOURCE = _DIR / "module.cpp"
 _FLAGS = ["-O2"]
+
+
+def _name() -> str:
+    """The module's name: a hash of every source file and the flags, so a build in the cache
+    is used exactly when it was built from these sources."""
+    h = hashlib.sha256(repr(_FLAGS).encode())
+    for f in sorted(_DIR.iterdir()):
+        if f.suffix in (".cpp", ".h"):
+            h.update(f.name.encode() + f.read_bytes())
+    return f"coexec_native_{h.hexdigest()[:12]}"
+
+
+_NAME = _name()
 _STALE_LOCK_SECONDS = 1800  # a build takes about a minute on 2 cores
 _lock = threading.Lock()
 _done = threading.Event()
@@ -85,7 +95,7 @@ def _build() -> None:
         lines = text.strip().splitlines() or [""]
         said = next((x for x in lines if "error:" in x), lines[-1])  # (the compiler's, not its command)
         warnings.warn(
-            "coexec: the native block runner could not be built, so the executor runs ops "
+            "coexec: the native engine could not be built, so the executor runs ops "
             f"one Python call at a time (slower, same results): {type(e).__name__}: {said.strip()}",
             RuntimeWarning,
             stacklevel=1,
@@ -102,8 +112,7 @@ def _compile() -> None:
     from torch.utils import cpp_extension
 
     where = Path(cpp_extension._get_build_directory(_NAME, False))
-    built = where / f"{_NAME}.so"
-    if built.exists() and built.stat().st_mtime >= _SOURCE.stat().st_mtime:
+    if (where / f"{_NAME}.so").exists():
         return  # (built already: loading it takes a second)
     lock = where / "lock"
     try:

@@ -31,8 +31,7 @@ import torch
 
 from planner.schedule import Block
 
-from . import native
-from .memory import LiveBytes, ResetPeak, laid_out, live_bytes
+from .memory import LiveBytes, ResetPeak, laid_out
 from .offload import HostPool, Offload, Offloads, Prefetch, Wait
 from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
@@ -155,7 +154,7 @@ class ExecutorStats:
     arena_hits: int  # op results written into the arena
     arena_misses: int  # planned arena outputs whose bytes were taken: from the allocator
     blocks: int  # blocks run in a planned order
-    native_runs: int  # runs of deferred ops by the native runner, GIL released (executor/native.py)
+    native_ops: int  # ops run by the native engine, without the GIL (executor/engine.py); 0 here
     run_ahead: RunAhead  # how deferred ops ran: before or at their block's launch
     recomputed: int  # ops run again (memory budget)
     offloaded: int  # storages parked on the host
@@ -194,7 +193,7 @@ class _Worker:
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.arena_misses = 0  # planned arena outputs that had to use the allocator
         self.arena_hits = 0  # op results written into the arena
-        self.memory = live_bytes(native.ready())
+        self.memory = LiveBytes()
         self.recipes = Recipes(self.values, self.recall, self.free_value, self.memory)
         self.offloads = Offloads(self.values, self.memory)
         self.want: int | None = None
@@ -212,7 +211,6 @@ class _Worker:
         self.future: set[int] = set()
         self.released: set[int] = set()
         self.blocks = 0
-        self.native_runs = 0
         self.ahead = [0, 0, 0, 0, 0]  # RunAhead's fields
         self.stopped: tuple[int, int] = (-1, -1)  # (cursor, reason) where running ahead last stopped
         self.handlers = {
@@ -292,9 +290,8 @@ class _Worker:
         else:
             order = range(len(block))
         todo = [k for k in order if not ran[k]]
-        done = self._run_natively(todo)
-        for k in todo[done.ran if done is not None else 0 :]:
-            self._run_deferred(k)  # (after a native run's error: retired, not run)
+        for k in todo:
+            self._run_deferred(k)  # (after an error: retired, not run)
         self.ahead[1] += len(todo)
         self.block, self.ran, self.following, self.cursor = [], [], None, 0
         self.stopped = (-1, -1)
@@ -322,9 +319,6 @@ class _Worker:
         self.offloads.size_pool(ins.nbytes, torch.cuda.is_available())
 
     def _on_reset_peak(self, ins: ResetPeak) -> None:
-        if type(self.memory) is LiveBytes and (built := native.ready()) is not None:
-            # the native runner is ready now: its count takes over, at a step's start
-            self.memory = self.recipes.memory = self.offloads.memory = self.memory.to_native(built)
         self.memory.attach(ins.arena)
         self.memory.reset_peak()
 
@@ -359,7 +353,7 @@ class _Worker:
         """Run the followed block's ops in its order while they have arrived and the bytes
         held stay within the bound (a value Python let go of late, or an arena region still
         taken, can make the next op wait for the skeleton's frees or the block's launch):
-        one Python call per op, holding the GIL (executor/native.py says why not natively)."""
+        one Python call per op, holding the GIL."""
         order, block, ran = self.following.order, self.block, self.ran
         news = self.following.new_bytes
         memory = self.memory
@@ -393,41 +387,6 @@ class _Worker:
         if out_func in _NOT_IN_PLACE:
             return True  # (planned there, but it lays out otherwise: the allocator, as planned for)
         return self.memory.all_free(outs)
-
-    def _run_natively(self, todo: list[int]) -> Any:
-        """Run the launched block's deferred runs ``todo`` (in this order) with the native
-        runner, the GIL released for all of them. Its report (``ran``: how many of ``todo``
-        ran, all but those after an error), or None, nothing run, where it cannot: not built
-        yet, a memory budget's recipes or parked values in play, an op it cannot call, a value
-        to bring back first."""
-        built = native.ready()
-        if (
-            built is None or not todo or self.error is not None or self.recipes or self.offloads
-            or type(self.memory) is LiveBytes
-        ):  # fmt: skip
-            return None
-        block = self.block
-        runs = [block[k] for k in todo]
-        if any(r.recipe for r in runs):
-            return None
-        done = built.run_block(
-            runs, self.values, self.released, self.pending, self.future, self.memory, self.results, _NOT_IN_PLACE
-        )
-        if done is None:
-            return None
-        self.native_runs += 1
-        for k in todo[: done.ran]:
-            self.ran[k] = True
-        self.arena_hits += done.arena_hits
-        self.arena_misses += done.arena_misses
-        _NOT_IN_PLACE.update(done.not_in_place)
-        _IN_PLACE.update(done.in_place)
-        if done.failed_at >= 0:
-            try:
-                done.raise_error()
-            except BaseException as e:  # noqa: BLE001 - reported to the skeleton's thread
-                self.error = _failed(runs[done.failed_at], e)
-        return done
 
     def _run_deferred(self, k: int) -> None:
         run = self.block[k]
@@ -652,7 +611,7 @@ class Executor:
         return ExecutorStats(
             submitted=w.submitted, done=w.done, busy_seconds=w.busy_seconds,
             peak_bytes=w.memory.peak, arena_hits=w.arena_hits, arena_misses=w.arena_misses,
-            blocks=w.blocks, native_runs=w.native_runs, run_ahead=RunAhead(*w.ahead),
+            blocks=w.blocks, native_ops=0, run_ahead=RunAhead(*w.ahead),
             recomputed=w.recipes.recomputed,
             offloaded=w.offloads.offloaded, copy_wait_seconds=w.offloads.wait_seconds,
         )  # fmt: skip

@@ -21,9 +21,9 @@ def plans_in_this_process(monkeypatch):
 
 
 def pytest_sessionstart(session):
-    """The suite runs on the native block runner (built once, cached; ``COEXEC_NATIVE=0``
-    runs it on the Python one): wait for its build, so every test sees the same runner."""
+    """The suite runs on the native engine (built once, cached; ``COEXEC_NATIVE=0`` runs it
+    on the Python executor): wait for its build, so every test sees the same executor."""
     from executor import native
 
     if native.enabled() and native.wait(600) is None:
-        raise pytest.UsageError("the native block runner did not build (COEXEC_NATIVE=0 skips it)")
+        raise pytest.UsageError("the native engine did not build (COEXEC_NATIVE=0 skips it)")

@@ -1,6 +1,7 @@
 """Blocks on the executor: deferred ops run at their block's launch in its planned order, a value
 Python let go of is freed after its last use in that order, and a followed block runs ahead as
-its ops arrive while the bytes held stay within its bound."""
+its ops arrive while the bytes held stay within its bound. Each test runs on both executors,
+the Python one and the native engine."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import pytest
 import torch
 
-from executor import ExecutorError, Follow, Free, Launch, RunAhead
+from executor import Executor, ExecutorError, Follow, Free, Launch, NativeExecutor, RunAhead, native
 from planner import Block, Site
 from tests.executor.test_recompute import V, run
 
@@ -26,27 +27,58 @@ def block(order, bound=0, new=()):
     return Block(tuple(Site(k, ()) for k in range(len(order))), tuple(order), bound, tuple(new))
 
 
+@pytest.fixture(params=["python", "native"])
+def ex(request):
+    """A fresh executor of each kind, closed after the test."""
+    if request.param == "python":
+        executor = Executor("test-executor")
+    else:
+        if not native.enabled():
+            pytest.skip("COEXEC_NATIVE=0")
+        executor = NativeExecutor(native.wait(600), "test-native")
+    try:
+        yield executor
+    finally:
+        executor.close()
+
+
+class Ran:
+    """The op indices the executor ran, in the order it ran them (a live view)."""
+
+    def __init__(self, ex, monkeypatch) -> None:
+        self.native = isinstance(ex, NativeExecutor)
+        if self.native:
+            self._engine = ex._e
+            self._engine.record_order(True)
+            return
+        self._seen = seen = []
+        real = type(ex._w).run
+
+        def spy(worker, ins, values):
+            seen.append(ins.op_index)
+            return real(worker, ins, values)
+
+        monkeypatch.setattr(type(ex._w), "run", spy)
+
+    def _list(self) -> list:
+        return list(self._engine.ran_order()) if self.native else list(self._seen)
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        return self._list() == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
 @pytest.fixture
 def ran(ex, monkeypatch):
-    """The op indices the executor runs, in the order it runs them."""
-    seen = []
-    real = type(ex._w).run
-
-    def spy(self, ins, values):
-        seen.append(ins.op_index)
-        return real(self, ins, values)
-
-    real_native = type(ex._w)._run_natively
-
-    def spy_native(self, todo):  # the native runner runs a prefix of ``todo``
-        done = real_native(self, todo)
-        if done is not None:
-            seen.extend(self.block[k].op_index for k in todo[: done.ran])
-        return done
-
-    monkeypatch.setattr(type(ex._w), "run", spy)
-    monkeypatch.setattr(type(ex._w), "_run_natively", spy_native)
-    return seen
+    return Ran(ex, monkeypatch)
 
 
 def two_branches(ex):
@@ -65,10 +97,10 @@ def test_a_launched_block_runs_in_its_planned_order_with_the_same_values(ex, ran
     ex.submit(Launch(block((0, 3, 4, 1, 2))))
     ex.drain(10)
     assert ran == [0, 3, 4, 1, 2]
-    assert ex._w.values[3].item() == 2 * 256 * 256 and ex._w.values[5].item() == 3 * 256 * 256
-    assert 2 not in ex._w.values and 4 not in ex._w.values  # freed after their last use
+    assert ex.value(3).item() == 2 * 256 * 256 and ex.value(5).item() == 3 * 256 * 256
+    assert ex.value(2) is None and ex.value(4) is None  # freed after their last use
     # each temporary was freed before the other was made: x and one temporary at most
-    assert ex._w.memory.peak == 2 * N + 8
+    assert ex.stats().peak_bytes == 2 * N + 8
     assert ex.stats().blocks == 1
 
 
@@ -78,7 +110,7 @@ def test_in_issue_order_the_same_block_holds_both_temporaries_until_python_lets_
     ex.submit(Free((2, 4)))
     ex.drain(10)
     assert ran == [0, 1, 2, 3, 4]
-    assert ex._w.memory.peak == 3 * N + 8 and ex.stats().blocks == 0
+    assert ex.stats().peak_bytes == 3 * N + 8 and ex.stats().blocks == 0
 
 
 def test_a_plan_for_other_ops_is_not_used(ex, ran):
@@ -92,7 +124,7 @@ def test_waiting_for_a_deferred_op_launches_its_block(ex, ran):
     two_branches(ex)
     position = ex.submit(deferred(aten.sum.default, V(5), outs=[6], index=5))
     ex.wait(position, 10)  # no launch was sent: the wait sends one (issue order)
-    assert ran == [0, 1, 2, 3, 4, 5] and ex._w.values[6].item() == 3 * 256 * 256
+    assert ran == [0, 1, 2, 3, 4, 5] and ex.value(6).item() == 3 * 256 * 256
 
 
 def settled(ex, seen: list, count: int) -> list:
@@ -114,8 +146,8 @@ def test_a_followed_block_runs_ahead_within_its_bound_and_waits_for_frees(ex, ra
     assert settled(ex, ran, 5) == [0, 1, 2, 3, 4]
     ex.submit(Launch(plan))
     ex.drain(10)
-    assert ran == [0, 1, 2, 3, 4] and ex._w.values[5].item() == 3 * 256 * 256
-    assert ex._w.memory.peak == 2 * N + 4 + 4  # within the bound throughout
+    assert ran == [0, 1, 2, 3, 4] and ex.value(5).item() == 3 * 256 * 256
+    assert ex.stats().peak_bytes == 2 * N + 4 + 4  # within the bound throughout
 
 
 def test_the_stats_count_ops_run_ahead_and_where_running_ahead_waited(ex, ran):
@@ -145,7 +177,7 @@ def test_a_block_that_turns_out_another_finishes_in_issue_order(ex, ran):
     ex.submit(deferred(aten.neg.default, V(1), outs=[6], index=5))  # a sixth op: not that block
     ex.submit(Launch(None))
     ex.drain(10)
-    assert ran == [0, 3, 4, 1, 2, 5] and ex._w.values[3].item() == 2 * 256 * 256
+    assert ran == [0, 3, 4, 1, 2, 5] and ex.value(3).item() == 2 * 256 * 256
 
 
 def test_an_op_failing_in_a_block_stops_the_rest_of_it(ex, ran):
@@ -155,4 +187,4 @@ def test_an_op_failing_in_a_block_stops_the_rest_of_it(ex, ran):
     ex.submit(Launch(block((0, 1, 2))))
     with pytest.raises(ExecutorError, match="index_select") as err:
         ex.drain(10)
-    assert err.value.op_index == 1 and ran == [0, 1] and 3 not in ex._w.values
+    assert err.value.op_index == 1 and ran == [0, 1] and ex.value(3) is None

@@ -1,6 +1,6 @@
-"""The native block runner: the same values, frees and byte counts as the Python runner; its
-count of live bytes agrees with executor/memory.py's; where it cannot be built, the executor
-runs in Python after one warning."""
+"""The native engine: the same values, frees, results and byte counts as the Python executor;
+its count of live bytes agrees with executor/memory.py's; an op it cannot call runs in Python in
+its place; where it cannot be built, the Python executor runs after one warning."""
 
 from __future__ import annotations
 
@@ -15,10 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor import Executor, ExecutorError, Free, Launch, LiveBytes, ResetPeak, native
+from executor import (
+    Executor, ExecutorError, Free, Launch, LiveBytes, NativeExecutor, ResetPeak, make_executor, native,
+)  # fmt: skip
 from executor.memory import span_bytes
 from tests.executor.test_block_runs import block, deferred
-from tests.executor.test_recompute import V
+from tests.executor.test_recompute import V, run
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +32,13 @@ def built():
     return native.wait(600)
 
 
-def python_only(monkeypatch):
-    """Executors made from here on run in Python (as before the native runner is built)."""
-    monkeypatch.setattr(native, "ready", lambda: None)
+@pytest.fixture
+def nex(built):
+    ex = NativeExecutor(built, "test-native")
+    try:
+        yield ex
+    finally:
+        ex.close()
 
 
 def attention_like_block(ex, arena=None):
@@ -47,9 +53,9 @@ def attention_like_block(ex, arena=None):
     ex.submit(deferred(aten._softmax.default, V(2), -1, False, outs=[3], index=2))
     ex.submit(deferred(aten.cat.default, [q, k], outs=[4], index=3))
     ex.submit(deferred(aten.view.default, V(3), [64], outs=[5], index=4))
-    run = deferred(aten.add_.Tensor, V(5), 1.0, outs=[6], index=5)
-    run.moves = ((5, 6),)
-    ex.submit(run)
+    r = deferred(aten.add_.Tensor, V(5), 1.0, outs=[6], index=5)
+    r.moves = ((5, 6),)
+    ex.submit(r)
     ex.submit(deferred(aten.sum.default, V(4), outs=[7], index=6))
     last = deferred(aten.max.default, V(6), outs=[8], index=7)
     last.keep_result = True
@@ -58,77 +64,89 @@ def attention_like_block(ex, arena=None):
     return (3, 0, 1, 2, 4, 5, 6, 7)
 
 
-def test_a_block_runs_natively_with_the_values_frees_and_bytes_of_the_python_runner(built, monkeypatch):
-    fast = Executor("native")
-    slow = None
+def test_the_engine_makes_the_values_frees_results_and_bytes_of_the_python_executor(nex):
+    slow = Executor("python")
     try:
-        for ex in (fast, "python"):
-            if ex == "python":
-                python_only(monkeypatch)
-                ex = slow = Executor("python")
+        for ex in (nex, slow):
             order = attention_like_block(ex)
             ex.submit(Launch(block(order)))
             ex.drain(10)
-        assert fast.stats().native_runs == 1 and slow.stats().native_runs == 0
-        assert sorted(fast._w.values) == sorted(slow._w.values) == [3, 4, 6, 7, 8]
-        for vid in fast._w.values:
-            assert torch.equal(fast._w.values[vid], slow._w.values[vid])
-        assert fast.take_result(7).item() == slow.take_result(7).item()
-        assert (fast._w.memory.live, fast._w.memory.peak) == (slow._w.memory.live, slow._w.memory.peak)
-        assert not fast._w.pending and not fast._w.future and not fast._w.released
+        assert nex.stats().native_ops == 8 and slow.stats().native_ops == 0
+        for vid in range(1, 9):
+            a, b = nex.value(vid), slow.value(vid)
+            assert (a is None) == (b is None), vid
+            assert a is None or torch.equal(a, b)
+        assert [v for v in range(1, 9) if nex.value(v) is not None] == [3, 4, 6, 7, 8]
+        assert nex.take_result(7).item() == slow.take_result(7).item()
+        assert nex.stats().peak_bytes == slow.stats().peak_bytes
+        assert nex._e.live == slow._w.memory.live
     finally:
-        fast.close()
-        if slow is not None:
-            slow.close()
+        slow.close()
 
 
-def test_arena_outputs_go_to_their_planned_offsets_natively(built, ex):
+def test_arena_outputs_go_to_their_planned_offsets(nex):
     arena = torch.zeros(4096, dtype=torch.uint8)
-    ex.submit(ResetPeak(arena))
+    nex.submit(ResetPeak(arena))
     shape, stride = (16, 16), (16, 1)
     n = span_bytes(shape, stride, torch.float32)
     a = deferred(aten.mm.default, torch.eye(16), torch.ones(16, 16), outs=[1], index=0)
     a.arena_out = (aten.mm.out, ("out",), ((1024, shape, stride, torch.float32, n),))
-    ex.submit(a)
-    ex.submit(Launch(block((0,))))
-    ex.drain(10)
-    t = ex._w.values[1]
-    assert ex.stats().native_runs == 1 and ex.stats().arena_hits == 1
-    assert ex._w.memory.offset_of(t) == 1024 and torch.equal(t, torch.ones(16, 16))
-    assert ex._w.memory.peak == 4096 and not ex._w.memory.free(1024, n)
+    nex.submit(a)
+    nex.submit(Launch(block((0,))))
+    nex.drain(10)
+    t = nex.value(1)
+    assert nex.stats().arena_hits == 1 and nex.stats().peak_bytes == 4096  # the arena, whole
+    assert t.data_ptr() - arena.data_ptr() == 1024 and torch.equal(t, torch.ones(16, 16))
 
 
-def test_an_op_failing_natively_reports_the_python_exception_and_frees_what_it_should(built, ex):
-    ex.submit(deferred(aten.ones.default, [4], outs=[1], index=0))
-    ex.submit(deferred(aten.index_select.default, V(1), 0, torch.tensor([9]), outs=[2], index=1))
-    ex.submit(deferred(aten.neg.default, V(1), outs=[3], index=2))
-    ex.submit(Free((1,)))
-    ex.submit(Launch(block((0, 1, 2))))
+def test_an_op_failing_on_the_engine_reports_the_python_exception_and_frees_what_it_should(nex):
+    nex.submit(deferred(aten.ones.default, [4], outs=[1], index=0))
+    nex.submit(deferred(aten.index_select.default, V(1), 0, torch.tensor([9]), outs=[2], index=1))
+    nex.submit(deferred(aten.neg.default, V(1), outs=[3], index=2))
+    nex.submit(Free((1,)))
+    nex.submit(Launch(block((0, 1, 2))))
     with pytest.raises(ExecutorError, match="IndexError: index out of range in self") as err:
-        ex.drain(10)
+        nex.drain(10)
     assert err.value.op_index == 1 and isinstance(err.value.__cause__, IndexError)
-    assert ex.stats().native_runs == 1 and not ex._w.values  # 1 freed, 2 and 3 never made
+    assert str(err.value).startswith("aten.index_select.default failed on the executor")
+    assert all(nex.value(v) is None for v in (1, 2, 3))  # 1 freed, 2 and 3 never made
+    assert nex._e.live == 0
+    nex.reset()  # then it runs again
+    nex.submit(run(aten.ones.default, [2], outs=[4]))
+    nex.drain(10)
+    assert nex.error is None and nex.value(4).tolist() == [1.0, 1.0]
 
 
-def test_the_python_count_is_taken_over_when_the_runner_becomes_ready(built, monkeypatch):
-    python_only(monkeypatch)
-    ex = Executor("late")
-    try:
-        ex.submit(deferred(aten.ones.default, [256], outs=[1], index=0))
-        ex.submit(Launch(None))
-        ex.drain(10)
-        assert type(ex._w.memory) is LiveBytes and ex.stats().native_runs == 0
-        monkeypatch.setattr(native, "ready", lambda: built)
-        ex.submit(ResetPeak(None))
-        ex.submit(deferred(aten.neg.default, V(1), outs=[2], index=1))
-        ex.submit(Launch(None))
-        ex.submit(Free((1,)))
-        ex.drain(10)
-        assert type(ex._w.memory) is built.LiveBytes and ex.stats().native_runs == 1
-        assert ex._w.recipes.memory is ex._w.memory is ex._w.offloads.memory
-        assert ex._w.memory.live == 1024 and ex._w.memory.peak == 2048
-    finally:
-        ex.close()
+def twice(x):
+    """Not an ATen overload: the engine cannot call it, so it runs in Python."""
+    return aten.mul.Tensor(x, 2)
+
+
+def test_an_op_the_engine_cannot_call_runs_in_python_after_what_came_before(nex):
+    nex.submit(deferred(aten.ones.default, [256], outs=[1], index=0))
+    nex.submit(deferred(aten.add.Tensor, V(1), 1.0, outs=[2], index=1))
+    position = nex.submit(deferred(twice, V(2), outs=[3], index=2))  # the block is launched first
+    nex.submit(deferred(aten.sum.default, V(3), outs=[4], index=3))
+    nex.submit(Free((1, 2, 3)))
+    nex.submit(Launch(None))
+    nex.wait(position, 10)
+    nex.drain(10)
+    assert nex.value(4).item() == 4.0 * 256
+    assert all(nex.value(v) is None for v in (1, 2, 3))
+    assert nex._e.live == 4 and nex.stats().peak_bytes == 3 * 1024  # 1, 2, 3 at once
+    assert nex.stats().native_ops == 3  # ones, add, sum
+
+
+def test_a_stuck_engine_is_replaced_and_the_new_one_runs(nex):
+    fault = nex.inject_fault("hang")
+    nex.submit(run(aten.ones.default, [2], outs=[1]))
+    with pytest.raises(TimeoutError):
+        nex.drain(0.2)
+    nex.reset()
+    fault.release.set()
+    nex.submit(run(aten.ones.default, [3], outs=[2]))
+    nex.drain(10)
+    assert nex.value(2).tolist() == [1.0, 1.0, 1.0] and nex.alive
 
 
 events = st.lists(
@@ -175,24 +193,25 @@ def test_the_native_count_of_live_bytes_is_the_python_count(evs):
         assert all(a.free(o, 64) == b.free(o, 64) for o in range(0, 4096, 64))
 
 
-def test_without_a_compiler_the_executor_runs_in_python_after_one_warning(tmp_path):
+def test_without_a_compiler_the_python_executor_runs_after_one_warning(tmp_path):
     program = textwrap.dedent(
         """
         import warnings
         import torch
-        from executor import Executor, Launch, native
+        from executor import Executor, Launch, make_executor, native
         from tests.executor.test_block_runs import deferred
         from tests.executor.test_recompute import V
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert native.wait(600) is None
             assert native.wait(1) is None and native.ready() is None
-        ex = Executor()
+        ex = make_executor()
+        assert type(ex) is Executor
         ex.submit(deferred(torch.ops.aten.ones.default, [3], outs=[1], index=0))
         ex.submit(deferred(torch.ops.aten.mul.Tensor, V(1), 2.0, outs=[2], index=1))
         ex.submit(Launch(None))
         ex.drain(10)
-        assert ex._w.values[2].tolist() == [2.0, 2.0, 2.0] and ex.stats().native_runs == 0
+        assert ex.value(2).tolist() == [2.0, 2.0, 2.0] and ex.stats().native_ops == 0
         print(len(caught), caught[0].message)
         """
     )
@@ -201,5 +220,13 @@ def test_without_a_compiler_the_executor_runs_in_python_after_one_warning(tmp_pa
         [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("1 coexec: the native block runner could not be built")
+    assert done.stdout.startswith("1 coexec: the native engine could not be built")
 
+
+def test_a_step_with_a_memory_budget_runs_on_the_python_executor(built):
+    budget, plain = make_executor(budget=True), make_executor()
+    try:
+        assert type(budget) is Executor and type(plain) is NativeExecutor
+    finally:
+        budget.close()
+        plain.close()

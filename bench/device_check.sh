@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU measurement, in one call on a lent GPU machine (run from the repository root there):
+#
+#     bash bench/device_check.sh [BATCHES] [PAIRS]      (defaults: "16" and 10)
+#
+# It uses the machine's own torch (no install: nothing can be fetched there), builds the native
+# engine, checks that a small co-executed CUDA step is bit-equal to eager, then runs
+# bench/zoo_steps.py on cuda for each batch size. Logs and tables go to $OUT (or bench/out).
+set -uo pipefail
+BATCHES=${1:-16}
+PAIRS=${2:-10}
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/coexec_ext}
+PY=${PYTHON:-python3}
+nvidia-smi -L
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+t0=$(date +%s)
+$PY -c "from executor import native; m = native.wait(900); print('native module:', m)" 2>&1 | tail -3
+echo "native build: $(( $(date +%s) - t0 )) s"
+$PY - <<'EOF' 2>&1 | tail -20
+import torch, coexec
+import torch.nn.functional as F
+from torch import nn
+torch.manual_seed(0)
+dev = torch.device("cuda")
+def make():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).to(dev)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1)
+x, y = torch.randn(32, 64, device=dev), torch.randn(32, 1, device=dev)
+(me, oe), (mc, oc) = make(), make()
+tape = coexec.GradientTape()
+for i in range(8):
+    le = F.mse_loss(me(x), y); le.backward(); oe.step(); oe.zero_grad()
+    with tape:
+        lc = F.mse_loss(mc(x), y); lc.backward(); oc.step(); oc.zero_grad()
+    print(i, tape.stats.last_phase, le.item(), lc.item(), torch.equal(le, lc))
+same = all(torch.equal(a, b) for a, b in zip(me.state_dict().values(), mc.state_dict().values()))
+print("smoke: bit-equal parameters", same, "coexec steps", tape.stats.coexec_steps, "native ops", tape.stats.native_ops)
+EOF
+for b in $BATCHES; do
+  $PY bench/zoo_steps.py --device cuda --batch "$b" --pairs "$PAIRS" --out "$OUT" 2>&1 | tee "$OUT/zoo_cuda_b$b.log"
+done

@@ -1,0 +1,208 @@
+// The executor's native module (executor/native.py builds and loads it): the engine
+// (engine.h), which runs the executor's instructions on a thread of its own without the GIL,
+// and LiveBytes (live_bytes.h), its count of live memory.
+
+#include <torch/extension.h>
+
+#include "engine.h"
+
+namespace py = pybind11;
+using coexec::Engine;
+using coexec::Instr;
+
+namespace {
+
+// The engine as Python holds it: pushing converts while the GIL is held; waiting releases it.
+class EngineHandle {
+ public:
+  explicit EngineHandle(int threads) : e_(std::make_shared<Engine>(threads)) { e_->start(); }
+
+  // Convert a Run and push it; False (nothing pushed) if the engine cannot call it.
+  bool run(const py::handle& run, bool deferred, const py::set& not_in_place) {
+    auto step = std::make_unique<coexec::Step>();
+    try {
+      if (!coexec::convert(run, not_in_place, *step)) return false;
+    } catch (const std::exception&) {
+      return false;  // (a Run the Python path reports on, if it is wrong)
+    }
+    Instr ins;
+    ins.kind = Instr::kRun;
+    ins.deferred = deferred;
+    ins.step = std::move(step);
+    e_->push(std::move(ins));
+    return true;
+  }
+
+  void put(const std::vector<int64_t>& vids, const std::vector<at::Tensor>& tensors,
+           const std::vector<std::pair<int64_t, int64_t>>& moves, const py::iterable& inputs) {
+    Instr ins;
+    ins.kind = Instr::kPut;
+    ins.vids = vids;
+    ins.tensors = tensors;
+    ins.moves = moves;
+    for (const auto& a : inputs) {
+      if (THPVariable_Check(a.ptr())) {
+        ins.keys.push_back(coexec::storage_key(THPVariable_Unpack(a.ptr())));
+      } else if (py::isinstance<py::list>(a) || py::isinstance<py::tuple>(a)) {
+        for (const auto& y : a)
+          if (THPVariable_Check(y.ptr())) ins.keys.push_back(coexec::storage_key(THPVariable_Unpack(y.ptr())));
+      }
+    }
+    e_->push(std::move(ins));
+  }
+
+  void free(const std::vector<int64_t>& vids) {
+    Instr ins;
+    ins.kind = Instr::kFree;
+    ins.vids = vids;
+    e_->push(std::move(ins));
+  }
+
+  void free_range(int64_t lo, int64_t hi) {
+    Instr ins;
+    ins.kind = Instr::kFreeRange;
+    ins.lo = lo;
+    ins.hi = hi;
+    e_->push(std::move(ins));
+  }
+
+  void launch(std::shared_ptr<const coexec::Plan> plan) {
+    Instr ins;
+    ins.kind = Instr::kLaunch;
+    ins.plan = std::move(plan);
+    e_->push(std::move(ins));
+  }
+
+  void follow(std::shared_ptr<const coexec::Plan> plan, int64_t bound) {
+    Instr ins;
+    ins.kind = Instr::kFollow;
+    ins.plan = std::move(plan);
+    ins.bound = bound;
+    e_->push(std::move(ins));
+  }
+
+  void reset_peak(std::optional<at::Tensor> arena) {
+    Instr ins;
+    ins.kind = Instr::kResetPeak;
+    ins.arena = std::move(arena);
+    e_->push(std::move(ins));
+  }
+
+  void signal(const std::string& what) {
+    Instr ins;
+    if (what == "fail")
+      ins.kind = Instr::kFail;
+    else if (what == "raise")
+      ins.kind = Instr::kInject;
+    else if (what == "hang")
+      ins.kind = Instr::kHang;
+    else if (what == "die")
+      ins.kind = Instr::kDie;
+    else if (what == "stop")
+      ins.kind = Instr::kStop;
+    else
+      throw std::invalid_argument("unknown signal " + what);
+    e_->push(std::move(ins));
+  }
+
+  int wait(int64_t position, double timeout) {
+    py::gil_scoped_release no_gil;
+    return e_->wait(position, timeout);
+  }
+
+  void join(double timeout) {
+    py::gil_scoped_release no_gil;
+    e_->join(timeout);
+  }
+
+  py::object value(int64_t vid) {
+    auto t = e_->value(vid);
+    if (!t.has_value()) return py::none();
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(*t));
+  }
+
+  py::object take_result(int64_t op_index) {
+    auto s = e_->take_result(op_index);
+    if (!s.has_value()) throw py::key_error(std::to_string(op_index));
+    return torch::jit::createPyObjectForStack(std::move(*s));
+  }
+
+  py::object error_func() const {
+    auto op = e_->error_op_;
+    return op ? op->func : py::none();
+  }
+
+  std::shared_ptr<Engine> e_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using coexec::LiveBytes;
+  py::class_<LiveBytes>(m, "LiveBytes")
+      .def(py::init<>())
+      .def_readwrite("live", &LiveBytes::live)
+      .def_readwrite("peak", &LiveBytes::peak)
+      .def_property_readonly("arena", &LiveBytes::arena)
+      .def("attach", &LiveBytes::attach)
+      .def("region", &LiveBytes::region)
+      .def("free", &LiveBytes::free)
+      .def(
+          "add",
+          [](LiveBytes& self, const at::Tensor& t, const py::iterable& inputs) {
+            int64_t key = coexec::storage_key(t);
+            if (!key || self.counted(key)) return;
+            std::vector<int64_t> keys;
+            for (const auto& a : inputs)
+              if (THPVariable_Check(a.ptr())) keys.push_back(coexec::storage_key(THPVariable_Unpack(a.ptr())));
+            self.add_new(t, key, keys);
+          },
+          py::arg("t"), py::arg("inputs") = py::tuple())
+      .def("remove", &LiveBytes::remove)
+      .def("reset_peak", &LiveBytes::reset_peak)
+      .def("clear", &LiveBytes::clear);
+
+  py::class_<coexec::Plan, std::shared_ptr<coexec::Plan>>(m, "Plan")
+      .def(py::init([](std::vector<int64_t> order, std::vector<int64_t> new_bytes) {
+        return std::make_shared<coexec::Plan>(coexec::Plan{std::move(order), std::move(new_bytes)});
+      }));
+
+  py::class_<EngineHandle>(m, "Engine")
+      .def(py::init<int>())
+      .def("run", &EngineHandle::run)
+      .def("put", &EngineHandle::put)
+      .def("free", &EngineHandle::free)
+      .def("free_range", &EngineHandle::free_range)
+      .def("launch", &EngineHandle::launch)
+      .def("follow", &EngineHandle::follow)
+      .def("reset_peak", &EngineHandle::reset_peak)
+      .def("signal", &EngineHandle::signal)
+      .def("wait", &EngineHandle::wait)
+      .def("join", &EngineHandle::join)
+      .def("value", &EngineHandle::value)
+      .def("take_result", &EngineHandle::take_result)
+      .def("raise_failure", [](EngineHandle& h) { h.e_->raise_failure(); })
+      .def("clear_error", [](EngineHandle& h) { h.e_->clear_error(); })
+      .def("clear", [](EngineHandle& h) { h.e_->clear(); })
+      .def("release_hang", [](EngineHandle& h) { h.e_->release_hang(); })
+      .def("record_order", [](EngineHandle& h, bool on) { h.e_->record_order(on); })
+      .def("ran_order", [](EngineHandle& h) { return h.e_->ran_order(); })
+      .def("take_out_reports", [](EngineHandle& h) { return h.e_->take_out_reports(); })
+      .def_property_readonly("error_func", &EngineHandle::error_func)
+      .def_property_readonly("error_kind", [](EngineHandle& h) { return h.e_->error_.load(); })
+      .def_property_readonly("error_op_index", [](EngineHandle& h) { return h.e_->error_op_index_.load(); })
+      .def_property_readonly("error_message", [](EngineHandle& h) { return h.e_->error_message_; })
+      .def_property_readonly("alive", [](EngineHandle& h) { return h.e_->alive_.load(); })
+      .def_property_readonly("done", [](EngineHandle& h) { return h.e_->done_.load(); })
+      .def_property_readonly("ops_run", [](EngineHandle& h) { return h.e_->ops_run_.load(); })
+      .def_property_readonly("arena_hits", [](EngineHandle& h) { return h.e_->arena_hits_.load(); })
+      .def_property_readonly("arena_misses", [](EngineHandle& h) { return h.e_->arena_misses_.load(); })
+      .def_property_readonly("blocks", [](EngineHandle& h) { return h.e_->blocks_.load(); })
+      .def_property_readonly("peak", [](EngineHandle& h) { return h.e_->peak_.load(); })
+      .def_property_readonly("live", [](EngineHandle& h) { return h.e_->live_.load(); })
+      .def_property_readonly("busy_seconds", [](EngineHandle& h) { return h.e_->busy_ns_.load() * 1e-9; })
+      .def_property_readonly("ahead", [](EngineHandle& h) {
+        auto& a = h.e_->ahead_;
+        return py::make_tuple(a[0].load(), a[1].load(), a[2].load(), a[3].load(), a[4].load());
+      });
+}
