@@ -1,7 +1,7 @@
 """Step time of the zoo under coexec against eager, on any device, paired in one process.
 
     python bench/zoo_steps.py [--models resnet50,gpt2-6l] [--batch 16] [--device cuda] [--pairs 10]
-                              [--compile] [--out bench/out]
+                              [--threads 1] [--compile] [--out bench/out]
 
 Per zoo model, copies from the same seed train side by side, each on its own random stream:
 one eagerly, one under ``coexec.GradientTape()`` (the default: planned blocks and, on a CPU, the
@@ -16,7 +16,8 @@ kernels. Columns (medians over the pairs):
 * ``skeleton ms``: the co-executed step's time less the skeleton's waits on the executor (what
   running the user's Python costs under coexec); ``skeleton/eager``: that over the eager step
   (issue 16 asks for at most 0.5);
-* ``stall ms``: the skeleton waiting on the executor (fetches and the end of the step);
+* ``stall ms``: the skeleton waiting on the executor (fetches and the end of the step); and
+  both for the copy without a plan (``unplanned skeleton ms``, ``unplanned stall ms``);
 * ``native ops``, ``gradient blocks``, ``templated calls``: of the latest co-executed step;
 * ``max |diff|``: the largest difference between the eager and coexec copies' parameters and
   losses after the run (0: bit-equal).
@@ -137,15 +138,17 @@ def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too
     for k, f in steps.items():  # the first step on the plan
         losses[k].append(f())
     times: dict[str, list[float]] = {k: [] for k in steps}
-    busy = []
+    busy, loose_busy = [], []
     for _ in range(pairs):
         for k, f in steps.items():
-            stall = tape.stats.stall_seconds
+            stall, loose_stall = tape.stats.stall_seconds, loose_tape.stats.stall_seconds
             t, loss = timed(f)
             times[k].append(t)
             losses[k].append(loss)
             if k == "coexec":
                 busy.append(t - (tape.stats.stall_seconds - stall))
+            elif k == "unplanned":
+                loose_busy.append(t - (loose_tape.stats.stall_seconds - loose_stall))
     e = times["eager"]
     s = tape.stats
     diff = max(
@@ -163,12 +166,17 @@ def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too
         "coexec/eager": statistics.median(c / x for c, x in zip(times["coexec"], e)),
         "unplanned/eager": statistics.median(u / x for u, x in zip(times["unplanned"], e)),
     }
+    why = tape._program.gradient_blocks.why_not
+    if why:
+        print(f"{name}: backward() ran the autograd engine: {'; '.join(why.values())}", file=sys.stderr)
     if compile_too:
         row["compile/eager"] = statistics.median(c / x for c, x in zip(times["compile"], e))
     row.update({
         "skeleton ms": 1e3 * statistics.median(busy),
         "skeleton/eager": statistics.median(b / x for b, x in zip(busy, e)),
         "stall ms": 1e3 * statistics.median(c - b for c, b in zip(times["coexec"], busy)),
+        "unplanned skeleton ms": 1e3 * statistics.median(loose_busy),
+        "unplanned stall ms": 1e3 * statistics.median(u - b for u, b in zip(times["unplanned"], loose_busy)),
         "native ops": s.native_ops,
         "gradient blocks": s.gradient_blocks,
         "templated calls": s.templated_calls,
@@ -184,11 +192,14 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--pairs", type=int, default=10, help="steps of each copy, in turn")
     ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd copy")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no GPU is visible to torch here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore", RuntimeWarning)
     from executor import native
 

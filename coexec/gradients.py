@@ -283,10 +283,12 @@ class GradientBlocks:
     def __init__(self) -> None:
         self.by_key: dict[tuple, GradientBlock | None] = {}
         self.made: Counter = Counter()
+        self.why_not: dict[Any, str] = {}  # per call site: why the latest call ran the engine
 
     def clear(self) -> None:
         self.by_key.clear()
         self.made.clear()
+        self.why_not.clear()
 
 
 class _Issued(NamedTuple):
@@ -340,18 +342,13 @@ class Backwards:
 
     def backward(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
         sk = self.sk
-        loss = args[0] if args else None
-        plain = (
-            len(args) == 1 and not any(v is not None and v is not False for v in kwargs.values())
-            and isinstance(loss, Placeholder) and loss.grad_fn is not None
-            and not self.hooked and self.saved.installed and sk.session.remat is None
-            and not (torch.distributed.is_available() and torch.distributed.is_initialized())
-        )  # fmt: skip
-        if not plain or sk.eager:
-            return sk.call(func, args, kwargs, loc)
+        why = self._engine_needed(args, kwargs)
+        if why is not None:
+            return self._on_engine(loc, why, func, args, kwargs)
+        loss = args[0]
         ops, modes = sk.trace.ops, self.grad_modes
         if len(modes) != len(ops):
-            return sk.call(func, args, kwargs, loc)
+            return self._on_engine(loc, "ops issued outside the skeleton's count", func, args, kwargs)
         # the ops before, exactly where they may have built autograd nodes (a Python scalar
         # one saved is in its key); elsewhere without their scalars (an optimizer's step
         # size, say, changes every step and cannot change the backward)
@@ -364,10 +361,41 @@ class Backwards:
         if block is _UNSEEN and blocks.made[loc] < MAX_BLOCKS_PER_CALL:
             blocks.made[loc] += 1
             return self._capture(key, loss, func, args, kwargs, loc)
-        if block is not _UNSEEN and block is not None and self._replay(block, loss):
+        if block is _UNSEEN:
+            why = f"no block for the ops before it, after {MAX_BLOCKS_PER_CALL} blocks made here"
+        elif block is None:
+            why = "no block could be made for the ops before it"
+        elif self._replay(block, loss):
             self.replayed += 1
             return None
-        return sk.call(func, args, kwargs, loc)
+        else:
+            why = "the gradients or saved tensors are not as when its block was made"
+        return self._on_engine(loc, why, func, args, kwargs)
+
+    def _engine_needed(self, args: tuple, kwargs: dict) -> str | None:
+        """Why this ``backward()`` must run the engine whatever the ops before it (None: a
+        block may do)."""
+        sk = self.sk
+        loss = args[0] if args else None
+        if sk.eager:
+            return "the step runs eagerly"
+        if len(args) != 1 or any(v is not None and v is not False for v in kwargs.values()):
+            return "backward() has arguments"
+        if not isinstance(loss, Placeholder) or loss.grad_fn is None:
+            return "the loss is not a tensor of this step with a gradient function"
+        if self.hooked:
+            return "the step called register_hook or retain_grad"
+        if not self.saved.installed or sk.session.remat is not None:
+            return "saved tensors are autograd's own (a memory budget)"
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return "torch.distributed is initialised"
+        return None
+
+    def _on_engine(self, loc: Any, why: str, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the autograd engine over the placeholders; ``why`` is kept for the program."""
+        if self.blocks is not None:
+            self.blocks.why_not[loc] = why
+        return self.sk.call(func, args, kwargs, loc)
 
     # -- making a block -------------------------------------------------------------------
     def _capture(self, key: tuple, loss: Placeholder, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
@@ -384,14 +412,25 @@ class Backwards:
                 out = sk.call(func, args, kwargs, loc)
         finally:
             self.capturing = False
-        block = None
-        if leaves is not None and watch.seen is None and not sk.eager:
-            block = self._make(b0, v0, leaves, before, held, n_holders)
+        if leaves is None:
+            made: GradientBlock | str = "the graph has a Python node (a custom Function) or a leaf with hooks"
+        elif watch.seen is not None:
+            made = f"Python ran in the backward: {watch.seen}"
+        elif sk.eager:
+            made = "the step fell back to eager in the backward"
+        else:
+            made = self._make(b0, v0, leaves, before, held, n_holders)
         self._log = {}
-        self.blocks.by_key[key] = block
+        if isinstance(made, str):
+            self.blocks.by_key[key] = None
+            self.blocks.why_not[loc] = made
+        else:
+            self.blocks.by_key[key] = made
+            self.blocks.why_not.pop(loc, None)
         return out
 
-    def _make(self, b0: int, v0: int, leaves: list, before: list, held: list, n_holders: int) -> GradientBlock | None:
+    def _make(self, b0: int, v0: int, leaves: list, before: list, held: list, n_holders: int) -> GradientBlock | str:
+        """The block of the ops the backward just issued, or why there is none."""
         sk = self.sk
         trace = sk.trace
         ops, values = trace.ops, trace.values
@@ -421,24 +460,24 @@ class Backwards:
             vid = sk.vmap.get(leaf.grad) if leaf.grad is not None else None
             use = sk.first_use.get(leaf)
             if vid is None or vid < v0 or use is None:
-                return None
+                return f"a leaf of shape {list(leaf.shape)} got no new gradient of this backward"
             finals.append(vid - v0)
         if alive - set(finals):
-            return None
+            return "Python holds values of the backward other than the leaves' gradients"
         moved: set[int] = set()
         last_use: dict[int, int] = {}
         block_ops = []
         for j, op in enumerate(ops[b0:]):
             issued = self._log.get(op.index)
             if issued is None or op.python_result:
-                return None
+                return f"{op.name} of the backward was not issued as an op of the skeleton"
             sch = schema_of(issued.func)
             inputs = tuple(ref(v) for v in op.inputs)
             if (
                 sch.data_dependent or sch.dynamic_shape or issued.slots is None or None in inputs
                 or len(issued.slots) != len(inputs)
             ):  # fmt: skip
-                return None
+                return f"{op.name} of the backward reads data, makes data-dependent shapes or reads a value from nowhere"
             for r in inputs:
                 if r.kind == SEG:
                     last_use[r.a] = j

@@ -54,6 +54,7 @@ from .errors import ValueLostError
 from .gradients import HOOK_CALLS, Backwards, GradientBlocks
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
+from .tracking import tracker
 
 _UNKNOWN = object()
 _session_ids = itertools.count(1)
@@ -101,8 +102,10 @@ class Session:
         self.bound = 0
         self.deferred = False
         self.base = next(_session_ids) * _VID_SPACE
-        # per placeholder: [current value id, weak ref to the Python object, to the C++ tensor]
+        # per placeholder: [current value id, weak ref to the Python object, its tracker slot];
+        # the tracker holds each one's C++ tensor weakly (coexec/tracking.py)
         self.tracked: list[list] = []
+        self.tracker = tracker()
         self.aliased = False  # some values have two placeholders (Session.alias)
         self.dropped: list[int] = []  # values made with no tensor to hold them (coexec/calls.py)
         self.orphans: dict[int, torch.Tensor] = {}  # values of tensors only C++ held at the end
@@ -117,7 +120,7 @@ class Session:
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
         ph = Placeholder(meta, self, vid)
         self.produced_at[vid] = position
-        entry = [vid, weakref.ref(ph), torch._C._WeakTensorRef(ph)]
+        entry = [vid, weakref.ref(ph), self.tracker.add(ph, vid)]
         ph._entry = entry
         self.tracked.append(entry)
         return ph
@@ -131,23 +134,20 @@ class Session:
     def retarget(self, ph: Placeholder, vid: int, position: int) -> None:
         """An in-place op made a new value of ``ph``'s tensor."""
         ph._vid = ph._entry[0] = vid
+        self.tracker.retarget(ph._entry[2], vid)
         self.produced_at[vid] = position
 
     def sweep(self) -> tuple:
         """Forget the placeholders whose tensors are gone; their executor value ids."""
-        dead = [e for e in self.tracked if e[2].expired()]
+        vids = self.tracker.sweep(self.aliased)
         dropped = self.dropped
-        if not dead and not dropped:
+        if dropped:
+            vids = {*vids, *dropped}
+            dropped.clear()
+        elif not vids:
             return ()
-        # (by identity: a tensor that dies meanwhile waits for the next sweep)
-        gone = {id(e) for e in dead}
-        self.tracked = [e for e in self.tracked if id(e) not in gone]
-        vids = {e[0] for e in dead}
-        if len(self.tracked) and self.aliased:  # a value another placeholder still holds
-            vids -= {e[0] for e in self.tracked}
-        vids.update(dropped)
-        dropped.clear()
-        return tuple(self.base + v for v in vids)
+        base = self.base
+        return tuple(base + v for v in vids)
 
     def submit(self, ins: Any) -> int:
         position = self.executor.submit(ins)
@@ -273,7 +273,7 @@ class Session:
                 self.copy_out(ph)
                 if release:
                     ph._session = None
-            elif not entry[2].expired() and entry[0] not in self.orphans:
+            elif not self.tracker.expired(entry[2]) and entry[0] not in self.orphans:
                 # only C++ holds the tensor now (say, an autograd graph kept past the step):
                 # keep its value where the placeholder will look when it comes back
                 real = value(self.base + entry[0])

@@ -206,6 +206,7 @@ class _Worker:
         self.following: Block | None = None  # the plan being run ahead in (Follow)
         self.bound = 0
         self.cursor = 0  # how far into the followed order it has run
+        self.issued = 0  # the first op, in issue order, not run yet (or before it)
         self.held = 0
         self.pending: dict[int, int] = {}
         self.future: set[int] = set()
@@ -293,7 +294,7 @@ class _Worker:
         for k in todo:
             self._run_deferred(k)  # (after an error: retired, not run)
         self.ahead[1] += len(todo)
-        self.block, self.ran, self.following, self.cursor = [], [], None, 0
+        self.block, self.ran, self.following, self.cursor, self.issued = [], [], None, 0, 0
         self.stopped = (-1, -1)
 
     def _on_follow(self, ins: Follow) -> None:
@@ -352,24 +353,44 @@ class _Worker:
     def _advance(self) -> None:
         """Run the followed block's ops in its order while they have arrived and the bytes
         held stay within the bound (a value Python let go of late, or an arena region still
-        taken, can make the next op wait for the skeleton's frees or the block's launch):
-        one Python call per op, holding the GIL."""
+        taken, can make the next op wait for the skeleton's frees or the block's launch).
+
+        Where the plan's next op is not issued yet (a plan moves ops issued late, such as
+        weight updates, early), run the issued ops in issue order instead, within the same
+        bound and where their planned regions are free. Either order is
+        safe, and so is any mix of the two: every edge of the planning graph goes forward in
+        issue order (the order eager ran), the next op in issue order has all its
+        predecessors run, and the next op in the plan's order has all of its own."""
         order, block, ran = self.following.order, self.block, self.ran
         news = self.following.new_bytes
         memory = self.memory
+
+        def fits(k: int) -> bool:
+            return memory.live + (news[k] if k < len(news) else 0) <= self.bound
+
         while self.cursor < len(order) and self.error is None:
             k = order[self.cursor]
             if k >= len(block):
-                return self._stop(_ISSUE)
+                self._stop(_ISSUE)
+                break
             if not ran[k]:
-                extra = news[k] if k < len(news) else 0
-                if memory.live + extra > self.bound:
+                if not fits(k):
                     return self._stop(_BYTES)
                 if not self._arena_ready(block[k]):
                     return self._stop(_REGION)
                 self._run_deferred(k)
                 self.ahead[0] += 1
             self.cursor += 1
+        else:
+            return
+        while self.issued < len(block) and self.error is None:
+            k = self.issued
+            if not ran[k]:
+                if not fits(k) or not self._arena_ready(block[k]):
+                    return
+                self._run_deferred(k)
+                self.ahead[0] += 1
+            self.issued += 1
 
     def _stop(self, reason: int) -> None:
         """Count where running ahead stopped (once per op and reason)."""
@@ -697,7 +718,7 @@ class Executor:
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
             w.offloads.clear()
             w.block, w.ran, w.held, w.pending, w.future, w.released = [], [], 0, {}, set(), set()
-            w.following, w.cursor, w.stopped = None, 0, (-1, -1)
+            w.following, w.cursor, w.issued, w.stopped = None, 0, 0, (-1, -1)
 
     def inject_fault(self, kind: str) -> _Fault:
         """Test hook: the thread ``"die"`` s, ``"raise"`` s or ``"hang"`` s when it gets here."""

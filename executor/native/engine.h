@@ -156,6 +156,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     released_.clear();
     following_.reset();
     cursor_ = 0;
+    issued_ = 0;
     held_ = 0;
     stopped_ = {-1, -1};
     snapshot();
@@ -235,6 +236,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::shared_ptr<const Plan> following_;
   int64_t bound_ = 0;
   size_t cursor_ = 0;
+  size_t issued_ = 0;  // the first op, in issue order, not run yet (or before it)
   std::unordered_map<int64_t, int64_t> pending_;
   std::unordered_set<int64_t> future_;
   std::unordered_set<int64_t> released_;
@@ -549,20 +551,39 @@ class Engine : public std::enable_shared_from_this<Engine> {
     if (following_) advance();
   }
 
+  // Run the followed block's ops in its order while they have arrived and the bytes held stay
+  // within the bound; where the plan's next op is not issued yet, the issued ones in issue
+  // order, within the same bound (stream.py _Worker._advance says why either order is safe).
   void advance() {
     const auto& order = following_->order;
     const auto& news = following_->new_bytes;
+    auto fits = [&](size_t k) { return memory_.live + (k < news.size() ? news[k] : 0) <= bound_; };
+    bool waiting_for_issue = false;
     while (cursor_ < order.size() && error_.load() == kNone) {
       auto k = static_cast<size_t>(order[cursor_]);
-      if (k >= block_.size()) return stopped(kIssue);
+      if (k >= block_.size()) {
+        stopped(kIssue);
+        waiting_for_issue = true;
+        break;
+      }
       if (!ran_[k]) {
-        int64_t extra = k < news.size() ? news[k] : 0;
-        if (memory_.live + extra > bound_) return stopped(kBytes);
+        if (!fits(k)) return stopped(kBytes);
         if (!arena_ready(*block_[k])) return stopped(kRegion);
         run_deferred(k);
         ahead_[kRanAhead].fetch_add(1, std::memory_order_relaxed);
       }
       ++cursor_;
+    }
+    if (!waiting_for_issue) return;
+    while (issued_ < block_.size() && error_.load() == kNone) {
+      if (ran_[issued_]) {
+        ++issued_;
+        continue;
+      }
+      if (!fits(issued_) || !arena_ready(*block_[issued_])) return;
+      run_deferred(issued_);
+      ahead_[kRanAhead].fetch_add(1, std::memory_order_relaxed);
+      ++issued_;
     }
   }
 
@@ -601,6 +622,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     ran_.clear();
     following_.reset();
     cursor_ = 0;
+    issued_ = 0;
     stopped_ = {-1, -1};
   }
 

@@ -1,10 +1,12 @@
 // The executor's native module (executor/native.py builds and loads it): the engine
-// (engine.h), which runs the executor's instructions on a thread of its own without the GIL,
-// and LiveBytes (live_bytes.h), its count of live memory.
+// (engine.h), which runs the executor's instructions on a thread of its own without the GIL;
+// LiveBytes (live_bytes.h), its count of live memory; and the skeleton's Tracker (tracker.h),
+// which finds the tensors of a step that died.
 
 #include <torch/extension.h>
 
 #include "engine.h"
+#include "tracker.h"
 
 namespace py = pybind11;
 using coexec::Engine;
@@ -161,6 +163,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("remove", &LiveBytes::remove)
       .def("reset_peak", &LiveBytes::reset_peak)
       .def("clear", &LiveBytes::clear);
+
+  py::class_<coexec::Tracker>(m, "Tracker")
+      .def(py::init<>())
+      .def("add", &coexec::Tracker::add)
+      .def("retarget", &coexec::Tracker::retarget)
+      .def("expired", &coexec::Tracker::expired)
+      .def("sweep", &coexec::Tracker::sweep)
+      .def_property_readonly("live", &coexec::Tracker::live);
 
   py::class_<coexec::Plan, std::shared_ptr<coexec::Plan>>(m, "Plan")
       .def(py::init([](std::vector<int64_t> order, std::vector<int64_t> new_bytes) {

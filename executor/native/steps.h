@@ -9,7 +9,9 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -22,10 +24,52 @@ namespace coexec {
 namespace py = pybind11;
 using torch::jit::Stack;
 
+// How an argument is converted from Python: the common types directly, the rest by
+// torch::jit::toIValue (what the Python binding of a schema does for every argument).
+enum ArgKind : uint8_t {
+  kTensor, kOptTensor, kInt, kOptInt, kFloat, kOptFloat, kBool, kOptBool, kIntList, kOptIntList,
+  kNumber, kOptNumber, kTensorList, kOptTensorList, kOther,
+};
+
+inline ArgKind kind_of(const c10::TypePtr& type) {
+  using c10::TypeKind;
+  bool optional = false;
+  c10::TypePtr t = type;
+  if (t->kind() == TypeKind::OptionalType) {
+    optional = true;
+    t = t->castRaw<c10::OptionalType>()->getElementType();
+  }
+  switch (t->kind()) {
+    case TypeKind::TensorType:
+      return optional ? kOptTensor : kTensor;
+    case TypeKind::IntType:
+      return optional ? kOptInt : kInt;
+    case TypeKind::FloatType:
+      return optional ? kOptFloat : kFloat;
+    case TypeKind::BoolType:
+      return optional ? kOptBool : kBool;
+    case TypeKind::NumberType:
+      return optional ? kOptNumber : kNumber;
+    case TypeKind::ListType: {
+      auto elem = t->castRaw<c10::ListType>()->getElementType();
+      if (elem->kind() == TypeKind::IntType) return optional ? kOptIntList : kIntList;
+      if (optional) return kOther;
+      if (elem->kind() == TypeKind::TensorType) return kTensorList;
+      if (elem->kind() == TypeKind::OptionalType &&
+          elem->castRaw<c10::OptionalType>()->getElementType()->kind() == TypeKind::TensorType)
+        return kOptTensorList;
+      return kOther;
+    }
+    default:
+      return kOther;
+  }
+}
+
 // An ATen overload the dispatcher knows (looked up once per OpOverload).
 struct Op {
   c10::OperatorHandle handle;
   py::object func;  // the OpOverload: named in errors, reported back after a failed out= try
+  std::vector<ArgKind> kinds;  // per schema argument
 };
 
 struct Ref {
@@ -68,8 +112,10 @@ inline std::shared_ptr<Op> find_op(const py::handle& func) {
     auto overload = py::str(func.attr("_overloadname")).cast<std::string>();
     if (overload == "default") overload = "";
     auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
-    if (handle.has_value())
-      found = std::make_shared<Op>(Op{*handle, py::reinterpret_borrow<py::object>(func)});
+    if (handle.has_value()) {
+      found = std::make_shared<Op>(Op{*handle, py::reinterpret_borrow<py::object>(func), {}});
+      for (const auto& formal : handle->schema().arguments()) found->kinds.push_back(kind_of(formal.real_type()));
+    }
   }
   cache.emplace(func.ptr(), found);
   return found;
@@ -95,95 +141,216 @@ inline std::vector<int64_t> out_arguments(const Op& op, const Op& out_op, const 
   return map;
 }
 
-// The stand-in for a value reference while converting arguments (leaked, as op_cache).
-inline py::object dummy_tensor() {
-  static PyObject* dummy = THPVariable_Wrap(at::empty({0}));
-  return py::reinterpret_borrow<py::object>(dummy);
-}
-
-// A new list with the items of a sequence (the Run's own lists stay as they are).
-inline py::list copied(const py::handle& seq) {
-  return py::reinterpret_steal<py::list>(PySequence_List(seq.ptr()));
-}
-
-inline bool wants_tensor(const c10::Argument& formal) {
-  return formal.type()->kind() == c10::TypeKind::TensorType;
-}
-
-inline bool is_number(const py::handle& x) {
-  return PyBool_Check(x.ptr()) || PyLong_Check(x.ptr()) || PyFloat_Check(x.ptr()) || PyComplex_Check(x.ptr());
+inline bool is_number(PyObject* x) {
+  return PyBool_Check(x) || PyLong_Check(x) || PyFloat_Check(x) || PyComplex_Check(x);
 }
 
 // A Python number where the schema wants a tensor is a wrapped-number tensor, as the Python
 // binding makes it. Made here, in C++, so that no Python object owns it: the engine's thread
 // lets go of it without the GIL.
-inline at::Tensor wrapped_number(const py::handle& x) {
+inline at::Tensor wrapped_number(PyObject* x) {
   at::Tensor t = at::scalar_to_tensor(torch::jit::toIValue(x, c10::NumberType::get()).toScalar());
   t.unsafeGetTensorImpl()->set_wrapped_number(true);
   return t;
 }
 
+// One Python argument as the IValue its schema type wants. `holes`: a value reference goes in
+// this list item later (left an undefined tensor, or None in a list of optional tensors).
+inline c10::IValue to_ivalue(PyObject* x, ArgKind kind, const c10::Argument& formal,
+                             const std::vector<int64_t>& holes) {
+  bool none = x == Py_None;
+  switch (kind) {
+    case kOptTensor:
+      if (none) return c10::IValue();
+      [[fallthrough]];
+    case kTensor:
+      if (THPVariable_Check(x)) return THPVariable_Unpack(x);
+      if (is_number(x)) return wrapped_number(x);
+      break;
+    case kOptInt:
+      if (none) return c10::IValue();
+      [[fallthrough]];
+    case kInt:
+      if (PyLong_CheckExact(x)) return static_cast<int64_t>(PyLong_AsLongLong(x));
+      break;
+    case kOptFloat:
+      if (none) return c10::IValue();
+      [[fallthrough]];
+    case kFloat:
+      if (PyFloat_CheckExact(x)) return PyFloat_AS_DOUBLE(x);
+      if (PyLong_CheckExact(x)) return static_cast<double>(PyLong_AsLongLong(x));
+      break;
+    case kOptBool:
+      if (none) return c10::IValue();
+      [[fallthrough]];
+    case kBool:
+      if (PyBool_Check(x)) return x == Py_True;
+      break;
+    case kOptNumber:
+      if (none) return c10::IValue();
+      [[fallthrough]];
+    case kNumber:
+      if (PyBool_Check(x)) return x == Py_True;
+      if (PyLong_CheckExact(x)) return static_cast<int64_t>(PyLong_AsLongLong(x));
+      if (PyFloat_CheckExact(x)) return PyFloat_AS_DOUBLE(x);
+      break;
+    case kOptIntList:
+      if (none) return c10::IValue();
+      [[fallthrough]];
+    case kIntList: {
+      if (!PyList_Check(x) && !PyTuple_Check(x)) break;
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
+      PyObject** items = PySequence_Fast_ITEMS(x);
+      c10::List<int64_t> list;
+      list.reserve(n);
+      bool plain = true;
+      for (Py_ssize_t i = 0; i < n && plain; ++i) {
+        plain = PyLong_CheckExact(items[i]);
+        if (plain) list.push_back(PyLong_AsLongLong(items[i]));
+      }
+      if (plain) return list;
+      break;
+    }
+    case kTensorList:
+    case kOptTensorList: {
+      if (!PyList_Check(x) && !PyTuple_Check(x)) break;
+      Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
+      PyObject** items = PySequence_Fast_ITEMS(x);
+      auto hole = [&](Py_ssize_t i) { return std::find(holes.begin(), holes.end(), i) != holes.end(); };
+      if (kind == kTensorList) {
+        c10::List<at::Tensor> list;
+        list.reserve(n);
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          if (hole(i)) {
+            list.push_back(at::Tensor());
+          } else if (THPVariable_Check(items[i])) {
+            list.push_back(THPVariable_Unpack(items[i]));
+          } else {
+            throw std::invalid_argument("not a tensor in a Tensor[] argument");
+          }
+        }
+        return list;
+      }
+      c10::List<std::optional<at::Tensor>> list;
+      list.reserve(n);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (hole(i) || items[i] == Py_None) {
+          list.push_back(std::nullopt);
+        } else if (THPVariable_Check(items[i])) {
+          list.push_back(THPVariable_Unpack(items[i]));
+        } else {
+          throw std::invalid_argument("not a tensor in a Tensor?[] argument");
+        }
+      }
+      return list;
+    }
+    case kOther:
+      break;
+  }
+  return torch::jit::toIValue(py::handle(x), formal.real_type());
+}
+
+// Attribute names of a Run, interned once.
+struct RunFields {
+  PyObject *func, *args, *kwargs, *refs, *outs, *moves, *grad_mode, *keep_result, *op_index, *arena_out;
+  RunFields() {
+    auto name = [](const char* s) { return PyUnicode_InternFromString(s); };
+    func = name("func");
+    args = name("args");
+    kwargs = name("kwargs");
+    refs = name("refs");
+    outs = name("outs");
+    moves = name("moves");
+    grad_mode = name("grad_mode");
+    keep_result = name("keep_result");
+    op_index = name("op_index");
+    arena_out = name("arena_out");
+  }
+};
+
+inline const RunFields& run_fields() {
+  static auto* fields = new RunFields();  // (leaked, as op_cache)
+  return *fields;
+}
+
+inline py::object field(const py::handle& run, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(run.ptr(), name);
+  if (v == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(v);
+}
+
 // A Run instruction as a Step: its arguments converted by its schema (the value references
-// hold a stand-in tensor until the step runs). False: the engine cannot call it (the caller
-// runs it in Python).
+// left as holes until the step runs). False: the engine cannot call it (the caller runs it in
+// Python).
 inline bool convert(const py::handle& run, const py::set& not_in_place, Step& step) {
-  step.op = find_op(run.attr("func"));
+  const RunFields& f = run_fields();
+  step.op = find_op(field(run, f.func));
   if (!step.op) return false;
   const auto& schema = step.op->handle.schema();
   const auto& formals = schema.arguments();
-  py::list args = copied(run.attr("args"));
-  py::dict kwargs = py::reinterpret_steal<py::dict>(PyDict_Copy(run.attr("kwargs").ptr()));
-  py::tuple refs(run.attr("refs"));
-  py::object dummy = dummy_tensor();
-  for (const auto& r : refs) {
-    auto ref = py::reinterpret_borrow<py::tuple>(r);
-    py::object arg = ref[0];
-    int64_t item = ref[1].cast<int64_t>();
-    int64_t vid = ref[2].cast<int64_t>();
-    bool named = py::isinstance<py::str>(arg);
-    py::object box = named ? py::object(kwargs) : py::object(args);
-    auto index = named ? schema.argumentIndexWithName(arg.cast<std::string>())
-                       : std::optional<int>(arg.cast<int>());
-    if (!index.has_value()) return false;
-    if (item < 0) {
-      box[arg] = dummy;
+  const size_t n_formals = formals.size();
+  py::object args = field(run, f.args);
+  py::object kwargs = field(run, f.kwargs);
+  py::object refs = field(run, f.refs);
+  if (!PyList_Check(args.ptr()) && !PyTuple_Check(args.ptr())) return false;
+  if (!PyDict_Check(kwargs.ptr()) || !PyTuple_Check(refs.ptr())) return false;
+  // the value references: whole arguments (holes[i] == {-1}) or items of list arguments
+  std::vector<std::vector<int64_t>> holes(n_formals);
+  for (Py_ssize_t r = 0; r < PyTuple_GET_SIZE(refs.ptr()); ++r) {
+    PyObject* ref = PyTuple_GET_ITEM(refs.ptr(), r);
+    PyObject* arg = PyTuple_GET_ITEM(ref, 0);
+    int64_t item = PyLong_AsLongLong(PyTuple_GET_ITEM(ref, 1));
+    int64_t vid = PyLong_AsLongLong(PyTuple_GET_ITEM(ref, 2));
+    std::optional<int> index;
+    if (PyUnicode_Check(arg)) {
+      index = schema.argumentIndexWithName(PyUnicode_AsUTF8(arg));
     } else {
-      py::list items = copied(box[arg]);
-      items[item] = dummy;
-      box[arg] = items;
+      index = static_cast<int>(PyLong_AsLongLong(arg));
     }
+    if (!index.has_value() || *index < 0 || static_cast<size_t>(*index) >= n_formals) return false;
+    holes[*index].push_back(item);
     step.refs.push_back(Ref{static_cast<size_t>(*index), item, vid});
   }
-  std::vector<std::pair<size_t, at::Tensor>> numbers;  // wrapped numbers, put in after
-  for (size_t i = 0; i < args.size() && i < formals.size(); ++i) {
-    if (wants_tensor(formals[i]) && is_number(args[i])) {
-      numbers.emplace_back(i, wrapped_number(args[i]));
-      args[i] = dummy;
-    }
+  Py_ssize_t n_args = PySequence_Fast_GET_SIZE(args.ptr());
+  if (static_cast<size_t>(n_args) > n_formals) return false;
+  PyObject** items = PySequence_Fast_ITEMS(args.ptr());
+  std::vector<PyObject*> given(n_formals, nullptr);  // (borrowed)
+  for (Py_ssize_t i = 0; i < n_args; ++i) given[i] = items[i];
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(kwargs.ptr(), &pos, &key, &value)) {
+    auto index = schema.argumentIndexWithName(PyUnicode_AsUTF8(key));
+    if (!index.has_value() || given[*index] != nullptr) return false;
+    given[*index] = value;
   }
-  for (const auto& kv : kwargs) {
-    auto index = schema.argumentIndexWithName(kv.first.cast<std::string>());
-    if (index.has_value() && wants_tensor(formals[*index]) && is_number(kv.second)) {
-      numbers.emplace_back(*index, wrapped_number(kv.second));
-      kwargs[kv.first] = dummy;
-    }
-  }
+  step.stack.reserve(n_formals);
   try {
-    step.stack = torch::jit::createStackForSchema(
-        schema, py::tuple(args), py::reinterpret_borrow<py::kwargs>(kwargs), std::nullopt);
+    for (size_t i = 0; i < n_formals; ++i) {
+      const auto& h = holes[i];
+      if (!h.empty() && h[0] < 0) {
+        step.stack.emplace_back();  // (the value goes here when the step runs)
+      } else if (given[i] != nullptr) {
+        step.stack.push_back(to_ivalue(given[i], step.op->kinds[i], formals[i], h));
+      } else if (formals[i].default_value().has_value()) {
+        step.stack.push_back(*formals[i].default_value());
+      } else {
+        return false;
+      }
+    }
   } catch (const std::exception&) {
     return false;  // (arguments only Python's binding knows how to convert)
   }
-  for (auto& n : numbers) step.stack[n.first] = std::move(n.second);
-  for (const auto& o : py::tuple(run.attr("outs"))) step.outs.push_back(o.cast<int64_t>());
-  for (const auto& m : py::tuple(run.attr("moves"))) {
-    auto move = py::reinterpret_borrow<py::tuple>(m);
-    step.moves.emplace_back(move[0].cast<int64_t>(), move[1].cast<int64_t>());
+  py::object outs = field(run, f.outs);
+  for (const auto& o : outs) step.outs.push_back(PyLong_AsLongLong(o.ptr()));
+  py::object moves = field(run, f.moves);
+  for (const auto& m : moves) {
+    step.moves.emplace_back(PyLong_AsLongLong(PyTuple_GET_ITEM(m.ptr(), 0)),
+                            PyLong_AsLongLong(PyTuple_GET_ITEM(m.ptr(), 1)));
   }
-  step.grad_mode = run.attr("grad_mode").cast<bool>();
-  step.keep_result = run.attr("keep_result").cast<bool>();
-  step.op_index = run.attr("op_index").cast<int64_t>();
-  py::object arena_out = run.attr("arena_out");
+  step.grad_mode = field(run, f.grad_mode).ptr() == Py_True;
+  step.keep_result = field(run, f.keep_result).ptr() == Py_True;
+  step.op_index = PyLong_AsLongLong(field(run, f.op_index).ptr());
+  py::object arena_out = field(run, f.arena_out);
   if (!arena_out.is_none()) {
     py::tuple planned(arena_out);
     if (!not_in_place.contains(planned[0])) {

@@ -171,13 +171,31 @@ def test_the_stats_count_ops_run_ahead_and_where_running_ahead_waited(ex, ran):
 
 
 def test_a_block_that_turns_out_another_finishes_in_issue_order(ex, ran):
-    ex.submit(Follow(block((0, 3, 4, 1, 2), new=(N, N, 4, N, 4)), 10 * N))
     two_branches(ex)
+    ex.submit(Follow(block((0, 3, 4, 1, 2), new=(N, N, 4, N, 4)), 10 * N))
     assert settled(ex, ran, 5) == [0, 3, 4, 1, 2]  # ahead, in the followed order
     ex.submit(deferred(aten.neg.default, V(1), outs=[6], index=5))  # a sixth op: not that block
     ex.submit(Launch(None))
     ex.drain(10)
     assert ran == [0, 3, 4, 1, 2, 5] and ex.value(3).item() == 2 * 256 * 256
+
+
+def test_while_the_plans_next_op_is_not_issued_the_issued_ones_run_in_issue_order_within_the_bound(ex, ran):
+    # the plan wants b (op 3) right after x; until it is issued, a and s run as issued
+    ex.submit(Follow(block((0, 3, 4, 1, 2), new=(N, N, 4, N, 4)), 2 * N + 8))
+    ex.submit(deferred(aten.ones.default, [256, 256], outs=[1], index=0))
+    ex.submit(deferred(aten.mul.Tensor, V(1), 2.0, outs=[2], index=1))
+    ex.submit(deferred(aten.sum.default, V(2), outs=[3], index=2))
+    assert settled(ex, ran, 3) == [0, 1, 2]
+    ex.submit(deferred(aten.mul.Tensor, V(1), 3.0, outs=[4], index=3))  # x, a, s, b: over the bound
+    assert settled(ex, ran, 3) == [0, 1, 2]
+    ex.submit(Free((2,)))  # Python let go of a: b fits
+    assert settled(ex, ran, 4) == [0, 1, 2, 3]
+    ex.submit(deferred(aten.sum.default, V(4), outs=[5], index=4))
+    ex.submit(Launch(block((0, 3, 4, 1, 2))))
+    ex.drain(10)
+    assert ran == [0, 1, 2, 3, 4] and ex.value(5).item() == 3 * 256 * 256
+    assert ex.stats().peak_bytes == 2 * N + 8  # within the bound throughout
 
 
 def test_an_op_failing_in_a_block_stops_the_rest_of_it(ex, ran):
