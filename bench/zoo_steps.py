@@ -1,7 +1,7 @@
 """Step time of the zoo under coexec against eager, on any device, paired in one process.
 
     python bench/zoo_steps.py [--models resnet50,gpt2-6l] [--batch 16] [--device cuda] [--pairs 10]
-                              [--threads 1] [--compile] [--out bench/out]
+                              [--threads 1] [--deterministic] [--compile] [--out bench/out]
 
 Per zoo model, copies from the same seed train side by side, each on its own random stream:
 one eagerly, one under ``coexec.GradientTape()`` (the default: planned blocks and, on a CPU, the
@@ -29,6 +29,7 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -193,6 +194,10 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10, help="steps of each copy, in turn")
     ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd copy")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    ap.add_argument(
+        "--deterministic", action="store_true",
+        help="deterministic kernels (cuDNN, cuBLAS): on a GPU, eager runs twice alike only so",
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -200,6 +205,11 @@ def main() -> None:
         raise SystemExit("--device cuda: no GPU is visible to torch here")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
     warnings.simplefilter("ignore", RuntimeWarning)
     from executor import native
 
@@ -215,7 +225,7 @@ def main() -> None:
         try:
             rows.append(measure(name, args.batch, device, args.pairs, args.compile))
         except Exception as e:  # noqa: BLE001 - one model's failure must not lose the others' rows
-            traceback.print_exc(limit=-6)
+            traceback.print_exc(limit=-30)
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             continue
         print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)

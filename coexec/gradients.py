@@ -271,6 +271,7 @@ HOOK_CALLS = frozenset({
 })  # fmt: skip
 
 
+_DETACH = torch.ops.aten.detach.default
 MAX_BLOCKS_PER_CALL = 8  # blocks made at one backward() call (each capture watches the engine)
 _UNSEEN = object()
 
@@ -284,11 +285,13 @@ class GradientBlocks:
         self.by_key: dict[tuple, GradientBlock | None] = {}
         self.made: Counter = Counter()
         self.why_not: dict[Any, str] = {}  # per call site: why the latest call ran the engine
+        self.refused: dict[tuple, str] = {}  # per key with no block: why none could be made
 
     def clear(self) -> None:
         self.by_key.clear()
         self.made.clear()
         self.why_not.clear()
+        self.refused.clear()
 
 
 class _Issued(NamedTuple):
@@ -364,7 +367,7 @@ class Backwards:
         if block is _UNSEEN:
             why = f"no block for the ops before it, after {MAX_BLOCKS_PER_CALL} blocks made here"
         elif block is None:
-            why = "no block could be made for the ops before it"
+            why = blocks.refused.get(key, "no block could be made for the ops before it")
         elif self._replay(block, loss):
             self.replayed += 1
             return None
@@ -423,7 +426,7 @@ class Backwards:
         self._log = {}
         if isinstance(made, str):
             self.blocks.by_key[key] = None
-            self.blocks.why_not[loc] = made
+            self.blocks.refused[key] = self.blocks.why_not[loc] = made
         else:
             self.blocks.by_key[key] = made
             self.blocks.why_not.pop(loc, None)
@@ -462,8 +465,15 @@ class Backwards:
             if vid is None or vid < v0 or use is None:
                 return f"a leaf of shape {list(leaf.shape)} got no new gradient of this backward"
             finals.append(vid - v0)
-        if alive - set(finals):
-            return "Python holds values of the backward other than the leaves' gradients"
+        # (a saved tensor the engine unpacked, ``detach`` ed, is let go of as the engine finishes:
+        # on CUDA its device thread may still hold the last one here; Python never sees them)
+        held = sorted(
+            s for s in alive - set(finals)
+            if values[v0 + s].producer is None or ops[values[v0 + s].producer].key.func is not _DETACH
+        )
+        if held:
+            made = ", ".join(sorted({ops[values[v0 + s].producer].name for s in held if values[v0 + s].producer is not None}))
+            return f"Python holds values of the backward other than the leaves' gradients (made by {made or 'nothing'})"
         moved: set[int] = set()
         last_use: dict[int, int] = {}
         block_ops = []

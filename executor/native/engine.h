@@ -175,11 +175,19 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::lock_guard<std::mutex> g(table_mu_);
     recording_ = on;
     order_.clear();
+    times_.clear();
   }
 
   std::vector<int64_t> ran_order() {
     std::lock_guard<std::mutex> g(table_mu_);
     return order_;
+  }
+
+  // With record_order: per op run, its (start, end) on the steady clock, in seconds (the clock
+  // of Python's time.perf_counter on Linux).
+  std::vector<std::pair<double, double>> ran_times() {
+    std::lock_guard<std::mutex> g(table_mu_);
+    return times_;
   }
 
   [[noreturn]] void raise_failure() const {
@@ -251,6 +259,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::atomic<bool> recording_{false};  // record_order
   std::vector<int64_t> order_;
+  std::vector<std::pair<double, double>> times_;
 
   std::vector<int64_t> keys_;  // scratch
   std::vector<at::Tensor> outs_;
@@ -366,11 +375,21 @@ class Engine : public std::enable_shared_from_this<Engine> {
   }
 
   // -- running one op (Worker.run, run_in_arena) ------------------------------------------
+  static double now_seconds() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
   void run(Step& s) {
-    if (recording_) {
-      std::lock_guard<std::mutex> g(table_mu_);
-      order_.push_back(s.op_index);
-    }
+    if (!recording_) return run_op(s);
+    double t0 = now_seconds();
+    run_op(s);
+    double t1 = now_seconds();
+    std::lock_guard<std::mutex> g(table_mu_);
+    order_.push_back(s.op_index);
+    times_.emplace_back(t0, t1);
+  }
+
+  void run_op(Step& s) {
     c10::GradMode::set_enabled(s.grad_mode);
     Stack stack = std::move(s.stack);
     for (const auto& r : s.refs) {

@@ -197,6 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release_hang", [](EngineHandle& h) { h.e_->release_hang(); })
       .def("record_order", [](EngineHandle& h, bool on) { h.e_->record_order(on); })
       .def("ran_order", [](EngineHandle& h) { return h.e_->ran_order(); })
+      .def("ran_times", [](EngineHandle& h) { return h.e_->ran_times(); })
       .def("take_out_reports", [](EngineHandle& h) { return h.e_->take_out_reports(); })
       .def_property_readonly("error_func", &EngineHandle::error_func)
       .def_property_readonly("error_kind", [](EngineHandle& h) { return h.e_->error_.load(); })
