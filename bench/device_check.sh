@@ -5,7 +5,8 @@
 #
 # It uses the machine's own torch (no install: nothing can be fetched there), builds the native
 # engine, checks that a small co-executed CUDA step is bit-equal to eager, then runs
-# bench/zoo_steps.py on cuda for each batch size. Logs and tables go to $OUT (or bench/out).
+# bench/zoo_steps.py on cuda for each batch size, with deterministic cuDNN/cuBLAS kernels (else
+# eager itself is not bit-equal run to run). Logs and tables go to $OUT (or bench/out).
 set -uo pipefail
 BATCHES=${1:-16}
 PAIRS=${2:-10}
@@ -40,5 +41,6 @@ same = all(torch.equal(a, b) for a, b in zip(me.state_dict().values(), mc.state_
 print("smoke: bit-equal parameters", same, "coexec steps", tape.stats.coexec_steps, "native ops", tape.stats.native_ops)
 EOF
 for b in $BATCHES; do
-  $PY bench/zoo_steps.py --device cuda --batch "$b" --pairs "$PAIRS" --out "$OUT" 2>&1 | tee "$OUT/zoo_cuda_b$b.log"
+  $PY bench/zoo_steps.py --device cuda --batch "$b" --pairs "$PAIRS" --deterministic --out "$OUT" > "$OUT/zoo_cuda_b$b.log" 2>&1
+  grep -v "^  \|^Traceback\|^\s*\^" "$OUT/zoo_cuda_b$b.log" | tail -25
 done

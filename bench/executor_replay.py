@@ -3,7 +3,7 @@
     python bench/executor_replay.py [--models gpt2-6l,mlp] [--batch 1] [--reps 25]
 
 Per zoo model, one co-executed step's instructions are captured as the skeleton submits them
-(the script wraps ``Executor.submit``: instrumentation, not part of coexec), once from a tape
+(the script wraps the executors' ``submit``: instrumentation, not part of coexec), once from a tape
 with a plan (the default: blocks in the planned order, outputs into the arena) and once from
 ``GradientTape(arena=False)`` (ops run as issued, every output from the allocator). The user's
 thread then submits a captured step again and waits for it, so the executor runs it alone: no
@@ -11,9 +11,9 @@ GIL to share, no skeleton issuing. The variants run interleaved, ``--reps`` time
 eager step of the same model between rounds; figures are medians:
 
 * ``eager ms``: an eager step (Python dispatch and kernels: the work the replay also does);
-* ``planned``: the planned step's instructions as captured (what is left of a block at its
-  launch runs on the native runner, executor/native.py: the GIL released once);
-* ``planned, Python``: the same, each op of a block one Python call (the runner before it);
+* ``planned``: the planned step's instructions as captured, on the executor the step ran on
+  (the native engine once it is built: executor/engine.py);
+* ``planned, Python``: the same on the Python executor (one Python call per op);
 * ``arena only``: the same runs, not deferred (no blocks: each op runs as it arrives);
 * ``blocks only``: the same runs, deferred and run in the planned order, without the arena;
 * ``unplanned``: the ``arena=False`` step's instructions;
@@ -38,30 +38,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
+import executor.engine as engine  # noqa: E402
 import executor.stream as stream  # noqa: E402
 from executor import native  # noqa: E402
 from common import markdown_table  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 
-_submit = stream.Executor.submit
+_SUBMITS = {stream.Executor: stream.Executor.submit, engine.NativeExecutor: engine.NativeExecutor.submit}
 
 
 class Capture:
-    """Records what the skeleton submits while ``on`` (installed as ``Executor.submit``)."""
+    """Records what the skeleton submits while ``on`` (installed as the executors' ``submit``)."""
 
     def __init__(self) -> None:
         self.on = False
         self.seen: list = []
-        self.executor: stream.Executor | None = None
+        self.executor = None
 
     def install(self) -> None:
-        def submit(ex: stream.Executor, ins: stream.Instruction) -> int:
-            if self.on:
-                self.seen.append(ins)
-                self.executor = ex
-            return _submit(ex, ins)
+        for kind, real in _SUBMITS.items():
 
-        stream.Executor.submit = submit
+            def submit(ex, ins, real=real):  # noqa: ANN001, ANN202
+                if self.on:
+                    self.seen.append(ins)
+                    self.executor = ex
+                return real(ex, ins)
+
+            kind.submit = submit
+
+    def remove(self) -> None:
+        for kind, real in _SUBMITS.items():
+            kind.submit = real
 
 
 def capture_step(model, tape: coexec.GradientTape, capture: Capture) -> list:
@@ -92,19 +99,14 @@ def variants(planned: list, unplanned: list) -> dict[str, list]:
     }  # fmt: skip
 
 
-def replay(ex: stream.Executor, instructions: list, python_runner: bool = False) -> float:
-    built = native.ready
-    if python_runner:
-        native.ready = lambda: None  # the worker asks at each launch
-    try:
-        t0 = time.perf_counter()
-        for ins in instructions:
-            _submit(ex, ins)
-        ex.drain(60.0)
-        ex._w.results.clear()  # fetched results nobody takes here
-        return time.perf_counter() - t0
-    finally:
-        native.ready = built
+def replay(ex, instructions: list) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    for ins in instructions:
+        ex.submit(ins)
+    ex.drain(60.0)
+    seconds = time.perf_counter() - t0
+    ex.reset()  # (fetched results nobody takes here)
+    return seconds
 
 
 def measure(name: str, batch: int, reps: int) -> dict:
@@ -116,8 +118,8 @@ def measure(name: str, batch: int, reps: int) -> dict:
             ZOO[name](batch), coexec.GradientTape(key=("replay", name, batch, "u"), arena=False), capture
         )
     finally:
-        stream.Executor.submit = _submit
-    ex = capture.executor
+        capture.remove()
+    ex, python = capture.executor, stream.Executor("replay-python")
     runs = sum(type(x) is stream.Run for x in planned)
     eager = ZOO[name](batch)
     steps = variants(planned, unplanned)
@@ -128,7 +130,8 @@ def measure(name: str, batch: int, reps: int) -> dict:
         eager.step()
         t_e.append(time.perf_counter() - t0)
         for k, instructions in steps.items():
-            times[k].append(replay(ex, instructions, python_runner=k == "planned, Python"))
+            times[k].append(replay(python if k == "planned, Python" else ex, instructions))
+    python.close()
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     row = {"model": name, "batch": batch, "ops": runs, "eager ms": 1e3 * statistics.median(t_e)}
     row.update({f"{k} ms": v for k, v in ms.items()})
@@ -144,7 +147,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=25)
     args = ap.parse_args()
     if native.wait(600) is None:
-        print("(the native runner is not built: every variant runs in Python)")
+        print("(the native engine is not built: every variant runs in Python)")
     rows = []
     for name in args.models.split(","):
         rows.append(measure(name, args.batch, args.reps))

@@ -78,6 +78,8 @@ def test_a_tensor_hook_in_the_step_keeps_the_engine_and_runs_every_step():
 
     tape = assert_same_as_eager(make, step, 6)
     assert tape.stats.coexec_steps > 0 and tape.stats.gradient_blocks == 0
+    (why,) = tape._program.gradient_blocks.why_not.values()
+    assert why == "the step called register_hook or retain_grad"
 
 
 def test_a_parameter_hook_added_after_a_block_was_made_runs():
@@ -92,6 +94,8 @@ def test_a_parameter_hook_added_after_a_block_was_made_runs():
         blocks.append(tape.stats.gradient_blocks)
     assert blocks[5] == 1 and blocks[6:] == [0, 0] and tape.stats.fallbacks == 0
     assert calls == [torch.Size([12, 6])] * 2
+    (why,) = tape._program.gradient_blocks.why_not.values()
+    assert why == "the gradients or saved tensors are not as when its block was made"
 
 
 class _Twice(torch.autograd.Function):
@@ -116,6 +120,8 @@ def test_a_custom_function_with_a_python_backward_keeps_the_engine():
 
     tape = assert_same_as_eager(make, step, 6)
     assert tape.stats.coexec_steps > 0 and tape.stats.gradient_blocks == 0
+    (why,) = tape._program.gradient_blocks.why_not.values()
+    assert why == "the graph has a Python node (a custom Function) or a leaf with hooks"
 
 
 def test_a_second_backward_raises_eagers_error_after_a_block():
