@@ -1,6 +1,9 @@
-"""Shared by the benchmark scripts: a Markdown table of result rows, and pyplot if installed."""
+"""Shared by the benchmark scripts: a Markdown table of result rows, pyplot if installed, and a
+random stream of its own per copy of a model."""
 
 from __future__ import annotations
+
+import torch
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -22,3 +25,32 @@ def pyplot():
         print("matplotlib not installed: no plot (pip install matplotlib)")
         return None
     return plt
+
+
+class OwnRandomStream:
+    """Each copy draws from its own copy of the default generators (CPU and, if any, the
+    device's): copies trained side by side draw the same dropout masks."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.state = self._get()
+
+    def _get(self) -> tuple:
+        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None
+
+    def _set(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if self.cuda:
+            torch.cuda.set_rng_state(state[1])
+
+    def __call__(self, step):
+        def run():
+            outside = self._get()
+            self._set(self.state)
+            try:
+                return step()
+            finally:
+                self.state = self._get()
+                self._set(outside)
+
+        return run

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import OwnRandomStream, markdown_table  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 from planner.tracker import eager_peak  # noqa: E402
 
@@ -55,26 +55,6 @@ def timed(step) -> tuple[float, torch.Tensor]:
     t0 = time.perf_counter()
     loss = step()
     return time.perf_counter() - t0, loss
-
-
-class OwnRandomStream:
-    """The default generator as one copy of the model left it: two copies trained side by
-    side draw the same dropout masks, each from its own stream."""
-
-    def __init__(self) -> None:
-        self.state = torch.get_rng_state()
-
-    def __call__(self, step):
-        def run():
-            outside = torch.get_rng_state()
-            torch.set_rng_state(self.state)
-            try:
-                return step()
-            finally:
-                self.state = torch.get_rng_state()
-                torch.set_rng_state(outside)
-
-        return run
 
 
 def measure(name: str, batch: int, pairs: int) -> dict:

@@ -43,37 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import OwnRandomStream, markdown_table  # noqa: E402
 from examples.models import ZOO, ZooModel  # noqa: E402
-
-
-class OwnRandomStream:
-    """Each copy draws from its own copy of the default generators (CPU and, if any, the
-    device's): copies trained side by side draw the same dropout masks."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.state = self._get()
-
-    def _get(self) -> tuple:
-        return torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None
-
-    def _set(self, state: tuple) -> None:
-        torch.set_rng_state(state[0])
-        if self.cuda:
-            torch.cuda.set_rng_state(state[1])
-
-    def __call__(self, step):
-        def run():
-            outside = self._get()
-            self._set(self.state)
-            try:
-                return step()
-            finally:
-                self.state = self._get()
-                self._set(outside)
-
-        return run
 
 
 def on_device(zoo: ZooModel, device: torch.device) -> ZooModel:
