@@ -17,6 +17,7 @@ cannot be built (no C++ compiler), the executor runs in Python, after one warnin
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -86,10 +87,7 @@ def _start() -> None:
 def _build() -> None:
     global _module
     try:
-        from torch.utils import cpp_extension
-
-        _compile()
-        _module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_FLAGS, verbose=False)
+        _module = _load(_compile())
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: run in Python
         text = getattr(e, "stderr", None) or str(e)
         lines = text.strip().splitlines() or [""]
@@ -104,16 +102,29 @@ def _build() -> None:
         _done.set()
 
 
-def _compile() -> None:
-    """Build into torch's extension cache, where it is not built yet, in a child process. (Built in this process's
-    background thread, a build cut short by the program's exit left torch's ``lock`` file
-    behind, and every later build waited on it for good; a child finishes the build.) A lock
-    older than any build is such a leftover (a killed build) and goes first."""
+def _load(path: Path) -> ModuleType:
+    """Import the built module. (Not ``cpp_extension.load``: it checks the build again in
+    every process, and a checkout at another path looked changed to it, rebuilt under the
+    same name and waited for good on a lock a process left behind. The name's hash already
+    says the build is of these sources.)"""
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile() -> Path:
+    """The built module in torch's extension cache, built there first, in a child process,
+    where it is not built yet. (Built in this process's background thread, a build cut short
+    by the program's exit left torch's ``lock`` file behind, and every later build waited on
+    it for good; a child finishes the build.) A lock older than any build is such a leftover
+    (a killed build) and goes first."""
     from torch.utils import cpp_extension
 
     where = Path(cpp_extension._get_build_directory(_NAME, False))
-    if (where / f"{_NAME}.so").exists():
-        return  # (built already: loading it takes a second)
+    built = where / f"{_NAME}.so"
+    if built.exists():
+        return built
     lock = where / "lock"
     try:
         if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
@@ -125,3 +136,4 @@ def _compile() -> None:
         f"cpp_extension.load(name={_NAME!r}, sources=[{str(_SOURCE)!r}], extra_cflags={_FLAGS!r})"
     )
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
+    return built
