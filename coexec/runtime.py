@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from executor import Executor, NativeExecutor, native
+from executor import Executor, NativeExecutor, make_executor, native
 
 from .placeholder import Placeholder
 
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 
 EXIT_TIMEOUT = 10.0  # seconds the interpreter's exit waits for the executor's last work
 _lock = threading.Lock()
-# the process's executors: "native" (steps without a memory budget, once the native module is
-# built) and "python" (memory budgets; every step until then, or where it cannot be built)
-_executors: dict[str, Executor | NativeExecutor] = {}
+# the process's executors, by whether it is the Python one (memory budgets; every step until the
+# native module is built, or where it cannot be) or the native one (steps without a budget)
+_executors: dict[bool, Executor | NativeExecutor] = {}
 _last: Executor | NativeExecutor | None = None  # the one the latest step ran on
 _local = threading.local()  # .skeleton: the skeleton running in this thread, if any
 open_sessions: list[tuple["Session", list, list]] = []  # sessions a lazy step left running
@@ -30,14 +30,13 @@ def executor(budget: bool = False) -> Executor | NativeExecutor:
     use. A step that runs on another executor than the step before waits for that one first
     (the two would otherwise update parameters in no set order)."""
     global _last
-    built = None if budget else native.ready()
-    kind = "native" if built is not None else "python"
+    python = budget or native.ready() is None  # (once built, it stays so: make_executor agrees)
     with _lock:
-        ex = _executors.get(kind)
+        ex = _executors.get(python)
         if ex is None:
             if not _executors:
                 atexit.register(_stop_at_exit)
-            ex = _executors[kind] = NativeExecutor(built) if built is not None else Executor()
+            ex = _executors[python] = make_executor(budget=python)
         last, _last = _last, ex
     if last is not None and last is not ex and last.alive and last.error is None:
         last.drain(300.0)

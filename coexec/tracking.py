@@ -40,17 +40,15 @@ class PyTracker:
         """The values of the tensors gone since the last sweep, each once; with ``aliased``,
         not those a tensor still alive holds too."""
         refs, vids = self._refs, self._vids
-        dead = {vids[s] for s in self._live if refs[s].expired()}
-        if not dead:
+        gone = [s for s in self._live if refs[s].expired()]
+        if not gone:
             return []
-        self._live = [s for s in self._live if not refs[s].expired()]
+        gone_set = set(gone)
+        self._live = [s for s in self._live if s not in gone_set]
+        dead = {vids[s] for s in gone}
         if aliased:
             dead -= {vids[s] for s in self._live}
         return sorted(dead)
-
-    @property
-    def live(self) -> int:
-        return len(self._live)
 
 
 def tracker() -> PyTracker:

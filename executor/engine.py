@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from planner.schedule import Block
 
-from . import stream
+from . import native, stream
 from .memory import ResetPeak
 from .stream import (
     Executor, ExecutorDied, ExecutorError, ExecutorStats, ExecutorTimeout, Follow, Free, FreeRange,
@@ -33,7 +33,7 @@ from .stream import (
 )  # fmt: skip
 
 _DONE, _TIMED_OUT = 0, 1  # Engine.wait's answers (2: the thread stopped)
-_OP_FAILED, _INJECTED, _MISSING, _PYTHON = 1, 2, 3, 4  # Engine.error_kind
+_INJECTED = 2  # Engine.error_kind (0: none, 1: an op raised, 3: an op run here raised: _error)
 _PLANS_KEPT = 4096  # converted blocks kept (per executor), by the Block object
 
 
@@ -91,15 +91,14 @@ class NativeExecutor:
         return False
 
     def stats(self) -> ExecutorStats:
-        e = self._e
-        failed, wrote = e.take_out_reports()
+        failed, wrote = self._e.take_out_reports()
         stream._NOT_IN_PLACE.update(failed)
         stream._IN_PLACE.update(wrote)
+        done, busy, peak, hits, misses, blocks, ops, ahead = self._e.counters
         return ExecutorStats(
-            submitted=self._submitted, done=e.done, busy_seconds=e.busy_seconds, peak_bytes=e.peak,
-            arena_hits=e.arena_hits, arena_misses=e.arena_misses, blocks=e.blocks,
-            native_ops=e.ops_run, run_ahead=RunAhead(*e.ahead), recomputed=0, offloaded=0,
-            copy_wait_seconds=0.0,
+            submitted=self._submitted, done=done, busy_seconds=busy, peak_bytes=peak, arena_hits=hits,
+            arena_misses=misses, blocks=blocks, native_ops=ops, run_ahead=RunAhead(*ahead), recomputed=0,
+            offloaded=0, copy_wait_seconds=0.0,
         )  # fmt: skip
 
     def submit(self, ins: Instruction) -> int:
@@ -207,22 +206,18 @@ class NativeExecutor:
         return plan
 
     def _engine_error(self) -> ExecutorError:
+        """The error of the engine's failed op, as the Python executor reports it (an op Python
+        ran here that raised set ``_error`` itself)."""
         e = self._e
-        kind, index = e.error_kind, e.error_op_index
-        if kind == _INJECTED:
+        if e.error_kind == _INJECTED:
             return ExecutorError("injected fault")
-        if kind == _PYTHON and self._error is not None:
-            return self._error
-        func = e.error_func
-        if kind == _MISSING:
-            cause: BaseException = KeyError(e.error_message)
-        else:
-            try:
-                e.raise_failure()
-            except BaseException as exc:  # noqa: BLE001 - reported to the skeleton's thread
-                cause = exc
+        try:
+            e.raise_failure()
+        except BaseException as exc:  # noqa: BLE001 - reported to the skeleton's thread
+            cause = exc
+        index = e.error_op_index
         err = ExecutorError(
-            f"{func} failed on the executor: {type(cause).__name__}: {cause}", index, self._where.get(index)
+            f"{e.error_func} failed on the executor: {type(cause).__name__}: {cause}", index, self._where.get(index)
         )
         err.__cause__ = cause
         return err
@@ -235,8 +230,9 @@ class NativeExecutor:
             self.submit(Launch())
         status = self._e.wait(self._submitted, 3600.0) if self._e.done < self._submitted else _DONE
         if status != _DONE or self.error is not None:
-            # (it is not run; the skeleton raises the error or the death when it waits)
-            self._e.signal("fail")
+            # not run: the skeleton raises the error or the death when it waits (a Free of
+            # nothing holds its position)
+            self._e.free(())
             self._submitted += 1
             return self._submitted
         args, kwargs = list(ins.args), dict(ins.kwargs)
@@ -267,8 +263,6 @@ class NativeExecutor:
 def make_executor(name: str = "coexec-executor", budget: bool = False) -> Executor | NativeExecutor:
     """The executor for steps with (``budget``) or without a memory budget: the native one where
     the native module is built and the step has no budget, else the Python one."""
-    from . import native
-
     built = None if budget else native.ready()
     return NativeExecutor(built, name) if built is not None else Executor(name)
 

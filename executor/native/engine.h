@@ -64,7 +64,9 @@ struct Instr {
   std::optional<at::Tensor> arena;  // kResetPeak
 };
 
-enum ErrorKind : int { kNone = 0, kOpFailed = 1, kInjected = 2, kMissing = 3, kPython = 4 };
+// why the ops after one are skipped: it raised (its exception is kept), a test's fault, or an op
+// Python ran in the engine's place raised (executor/engine.py keeps that one)
+enum ErrorKind : int { kNone = 0, kOpFailed = 1, kInjected = 2, kPython = 3 };
 enum Ahead : int { kRanAhead = 0, kAtLaunch = 1, kIssue = 2, kBytes = 3, kRegion = 4 };
 
 class Engine : public std::enable_shared_from_this<Engine> {
@@ -200,7 +202,6 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::atomic<int> error_{kNone};
   std::atomic<int64_t> error_op_index_{-1};
   std::shared_ptr<Op> error_op_;
-  std::string error_message_;
   std::atomic<bool> alive_{true};
   std::atomic<int64_t> ops_run_{0}, arena_hits_{0}, arena_misses_{0}, blocks_{0}, peak_{0}, live_{0};
   std::atomic<int64_t> busy_ns_{0};
@@ -263,6 +264,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::vector<int64_t> keys_;  // scratch
   std::vector<at::Tensor> outs_;
+  std::vector<int64_t> retired_;
 
   void snapshot() {
     peak_.store(memory_.peak, std::memory_order_relaxed);
@@ -333,7 +335,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
           run(*ins.step);
         return true;
       case Instr::kPut:
-        if (error_.load() == kNone) put_values(ins);
+        if (error_.load() == kNone) store(ins.vids, ins.tensors, ins.moves, ins.keys);  // (Python ran it)
         return true;
       case Instr::kFree:
         on_free(ins.vids);
@@ -395,8 +397,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
     for (const auto& r : s.refs) {
       auto it = values_.find(r.vid);
       if (it == values_.end()) {
-        error_message_ = "value " + std::to_string(r.vid) + " is not in the executor's table";
-        fail(s, kMissing, nullptr);
+        // (a KeyError in Python, as the Python executor's table raises)
+        fail(s, std::make_exception_ptr(py::key_error(
+                               "value " + std::to_string(r.vid) + " is not in the executor's table")));
         return;
       }
       coexec::put(stack, r, it->second);
@@ -405,7 +408,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::vector<at::Tensor>& outs = outs_;
     try {
       bool placed = false;
-      if (s.out_op && !failed_out_.count(s.out_op.get()) && memory_.arena().has_value()) {
+      if (s.out && !failed_out_.count(s.out->op.get()) && memory_.arena().has_value()) {
         if (!memory_.all_free(s.arena))
           arena_misses_.fetch_add(1, std::memory_order_relaxed);
         else
@@ -420,7 +423,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
         }
       }
     } catch (...) {
-      fail(s, kOpFailed, std::current_exception());
+      fail(s, std::current_exception());
       return;
     }
     ops_run_.fetch_add(1, std::memory_order_relaxed);
@@ -469,10 +472,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
       views.push_back(raw.view(o.dtype).slice(0, 0, raw.numel() / item).as_strided(o.shape, o.stride));
     }
     Stack call;
-    call.reserve(s.out_map.size());
-    for (auto j : s.out_map) call.push_back(j < 0 ? c10::IValue(views[-1 - j]) : stack[j]);
+    const OutVariant& out = *s.out;
+    call.reserve(out.map.size());
+    for (auto j : out.map) call.push_back(j < 0 ? c10::IValue(views[-1 - j]) : stack[j]);
     try {
-      s.out_op->handle.callBoxed(&call);
+      out.op->handle.callBoxed(&call);
     } catch (const c10::IndexError&) {
       throw;  // (not a RuntimeError in Python: the Python runner would not catch these either)
     } catch (const c10::ValueError&) {
@@ -482,16 +486,16 @@ class Engine : public std::enable_shared_from_this<Engine> {
     } catch (const c10::NotImplementedError&) {
       throw;
     } catch (const c10::Error&) {
-      note_out(s.out_op.get(), false);
+      note_out(out.op.get(), false);
       return false;
     }
     for (size_t j = 0; j < views.size(); ++j) {
       if (!laid_out_as_planned(views[j], s.arena[j])) {
-        note_out(s.out_op.get(), false);
+        note_out(out.op.get(), false);
         return false;
       }
     }
-    note_out(s.out_op.get(), true);
+    note_out(out.op.get(), true);
     arena_hits_.fetch_add(1, std::memory_order_relaxed);
     outs = views;
     return true;
@@ -504,15 +508,12 @@ class Engine : public std::enable_shared_from_this<Engine> {
     (wrote ? new_wrote_ : new_failed_).push_back(op);
   }
 
-  void fail(const Step& s, ErrorKind kind, std::exception_ptr e) {
+  void fail(const Step& s, std::exception_ptr e) {
     failure_ = e;
     error_op_ = s.op;
     error_op_index_.store(s.op_index);
-    error_.store(kind);
+    error_.store(kOpFailed);
   }
-
-  // An op Python ran (one the engine cannot call): its outputs go into the table.
-  void put_values(Instr& ins) { store(ins.vids, ins.tensors, ins.moves, ins.keys); }
 
   void free_value(int64_t vid) {
     at::Tensor dead;
@@ -615,7 +616,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   }
 
   bool arena_ready(const Step& s) {
-    if (!s.out_op || !memory_.arena().has_value() || failed_out_.count(s.out_op.get())) return true;
+    if (!s.out || !memory_.arena().has_value() || failed_out_.count(s.out->op.get())) return true;
     return memory_.all_free(s.arena);
   }
 
@@ -654,7 +655,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
   }
 
   void retire(const Step& s) {
-    std::vector<int64_t> done;
+    std::vector<int64_t>& done = retired_;
+    done.clear();
     for (const auto& r : s.refs) done.push_back(r.vid);
     for (const auto& m : s.moves) done.push_back(m.first);
     for (auto v : done) {

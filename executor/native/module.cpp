@@ -14,6 +14,12 @@ using coexec::Instr;
 
 namespace {
 
+Instr of(Instr::Kind kind) {
+  Instr ins;
+  ins.kind = kind;
+  return ins;
+}
+
 // The engine as Python holds it: pushing converts while the GIL is held; waiting releases it.
 class EngineHandle {
  public:
@@ -27,8 +33,7 @@ class EngineHandle {
     } catch (const std::exception&) {
       return false;  // (a Run the Python path reports on, if it is wrong)
     }
-    Instr ins;
-    ins.kind = Instr::kRun;
+    Instr ins = of(Instr::kRun);
     ins.deferred = deferred;
     ins.step = std::move(step);
     e_->push(std::move(ins));
@@ -37,8 +42,7 @@ class EngineHandle {
 
   void put(const std::vector<int64_t>& vids, const std::vector<at::Tensor>& tensors,
            const std::vector<std::pair<int64_t, int64_t>>& moves, const py::iterable& inputs) {
-    Instr ins;
-    ins.kind = Instr::kPut;
+    Instr ins = of(Instr::kPut);
     ins.vids = vids;
     ins.tensors = tensors;
     ins.moves = moves;
@@ -53,58 +57,40 @@ class EngineHandle {
     e_->push(std::move(ins));
   }
 
-  void free(const std::vector<int64_t>& vids) {
-    Instr ins;
-    ins.kind = Instr::kFree;
-    ins.vids = vids;
+  void free(std::vector<int64_t> vids) {
+    Instr ins = of(Instr::kFree);
+    ins.vids = std::move(vids);
     e_->push(std::move(ins));
   }
 
   void free_range(int64_t lo, int64_t hi) {
-    Instr ins;
-    ins.kind = Instr::kFreeRange;
+    Instr ins = of(Instr::kFreeRange);
     ins.lo = lo;
     ins.hi = hi;
     e_->push(std::move(ins));
   }
 
-  void launch(std::shared_ptr<const coexec::Plan> plan) {
-    Instr ins;
-    ins.kind = Instr::kLaunch;
-    ins.plan = std::move(plan);
-    e_->push(std::move(ins));
-  }
-
-  void follow(std::shared_ptr<const coexec::Plan> plan, int64_t bound) {
-    Instr ins;
-    ins.kind = Instr::kFollow;
+  // Launch (plan null: as issued) or Follow (with its bound) a planned block.
+  void block(bool follow, std::shared_ptr<const coexec::Plan> plan, int64_t bound) {
+    Instr ins = of(follow ? Instr::kFollow : Instr::kLaunch);
     ins.plan = std::move(plan);
     ins.bound = bound;
     e_->push(std::move(ins));
   }
 
   void reset_peak(std::optional<at::Tensor> arena) {
-    Instr ins;
-    ins.kind = Instr::kResetPeak;
+    Instr ins = of(Instr::kResetPeak);
     ins.arena = std::move(arena);
     e_->push(std::move(ins));
   }
 
+  // The instructions without data: "fail" (Python ran an op and it raised), "stop", and the
+  // test faults "raise", "hang" and "die".
   void signal(const std::string& what) {
-    Instr ins;
-    if (what == "fail")
-      ins.kind = Instr::kFail;
-    else if (what == "raise")
-      ins.kind = Instr::kInject;
-    else if (what == "hang")
-      ins.kind = Instr::kHang;
-    else if (what == "die")
-      ins.kind = Instr::kDie;
-    else if (what == "stop")
-      ins.kind = Instr::kStop;
-    else
-      throw std::invalid_argument("unknown signal " + what);
-    e_->push(std::move(ins));
+    static const std::unordered_map<std::string, Instr::Kind> kinds{
+        {"fail", Instr::kFail}, {"raise", Instr::kInject}, {"hang", Instr::kHang},
+        {"die", Instr::kDie}, {"stop", Instr::kStop}};
+    e_->push(of(kinds.at(what)));
   }
 
   int wait(int64_t position, double timeout) {
@@ -169,8 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &coexec::Tracker::add)
       .def("retarget", &coexec::Tracker::retarget)
       .def("expired", &coexec::Tracker::expired)
-      .def("sweep", &coexec::Tracker::sweep)
-      .def_property_readonly("live", &coexec::Tracker::live);
+      .def("sweep", &coexec::Tracker::sweep);
 
   py::class_<coexec::Plan, std::shared_ptr<coexec::Plan>>(m, "Plan")
       .def(py::init([](std::vector<int64_t> order, std::vector<int64_t> new_bytes) {
@@ -183,8 +168,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("put", &EngineHandle::put)
       .def("free", &EngineHandle::free)
       .def("free_range", &EngineHandle::free_range)
-      .def("launch", &EngineHandle::launch)
-      .def("follow", &EngineHandle::follow)
+      .def("launch", [](EngineHandle& h, std::shared_ptr<const coexec::Plan> p) { h.block(false, std::move(p), 0); })
+      .def("follow", [](EngineHandle& h, std::shared_ptr<const coexec::Plan> p, int64_t bound) { h.block(true, std::move(p), bound); })
       .def("reset_peak", &EngineHandle::reset_peak)
       .def("signal", &EngineHandle::signal)
       .def("wait", &EngineHandle::wait)
@@ -202,18 +187,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("error_func", &EngineHandle::error_func)
       .def_property_readonly("error_kind", [](EngineHandle& h) { return h.e_->error_.load(); })
       .def_property_readonly("error_op_index", [](EngineHandle& h) { return h.e_->error_op_index_.load(); })
-      .def_property_readonly("error_message", [](EngineHandle& h) { return h.e_->error_message_; })
       .def_property_readonly("alive", [](EngineHandle& h) { return h.e_->alive_.load(); })
       .def_property_readonly("done", [](EngineHandle& h) { return h.e_->done_.load(); })
-      .def_property_readonly("ops_run", [](EngineHandle& h) { return h.e_->ops_run_.load(); })
-      .def_property_readonly("arena_hits", [](EngineHandle& h) { return h.e_->arena_hits_.load(); })
-      .def_property_readonly("arena_misses", [](EngineHandle& h) { return h.e_->arena_misses_.load(); })
-      .def_property_readonly("blocks", [](EngineHandle& h) { return h.e_->blocks_.load(); })
-      .def_property_readonly("peak", [](EngineHandle& h) { return h.e_->peak_.load(); })
       .def_property_readonly("live", [](EngineHandle& h) { return h.e_->live_.load(); })
-      .def_property_readonly("busy_seconds", [](EngineHandle& h) { return h.e_->busy_ns_.load() * 1e-9; })
-      .def_property_readonly("ahead", [](EngineHandle& h) {
-        auto& a = h.e_->ahead_;
-        return py::make_tuple(a[0].load(), a[1].load(), a[2].load(), a[3].load(), a[4].load());
+      // ExecutorStats' counters, in one call: done, busy seconds, peak bytes, arena hits and
+      // misses, blocks run in a planned order, ops run, and RunAhead's five
+      .def_property_readonly("counters", [](EngineHandle& h) {
+        const Engine& e = *h.e_;
+        const auto& a = e.ahead_;
+        return py::make_tuple(
+            e.done_.load(), e.busy_ns_.load() * 1e-9, e.peak_.load(), e.arena_hits_.load(),
+            e.arena_misses_.load(), e.blocks_.load(), e.ops_run_.load(),
+            py::make_tuple(a[0].load(), a[1].load(), a[2].load(), a[3].load(), a[4].load()));
       });
 }

@@ -26,50 +26,59 @@ using torch::jit::Stack;
 
 // How an argument is converted from Python: the common types directly, the rest by
 // torch::jit::toIValue (what the Python binding of a schema does for every argument).
-enum ArgKind : uint8_t {
-  kTensor, kOptTensor, kInt, kOptInt, kFloat, kOptFloat, kBool, kOptBool, kIntList, kOptIntList,
-  kNumber, kOptNumber, kTensorList, kOptTensorList, kOther,
+enum ArgBase : uint8_t { kTensor, kInt, kFloat, kBool, kNumber, kIntList, kTensorList, kOptTensorList, kOther };
+
+struct ArgKind {
+  ArgBase base;
+  bool optional;  // None is an answer too
 };
 
 inline ArgKind kind_of(const c10::TypePtr& type) {
   using c10::TypeKind;
-  bool optional = false;
-  c10::TypePtr t = type;
-  if (t->kind() == TypeKind::OptionalType) {
-    optional = true;
-    t = t->castRaw<c10::OptionalType>()->getElementType();
-  }
+  bool optional = type->kind() == TypeKind::OptionalType;
+  c10::TypePtr t = optional ? type->castRaw<c10::OptionalType>()->getElementType() : type;
   switch (t->kind()) {
     case TypeKind::TensorType:
-      return optional ? kOptTensor : kTensor;
+      return {kTensor, optional};
     case TypeKind::IntType:
-      return optional ? kOptInt : kInt;
+      return {kInt, optional};
     case TypeKind::FloatType:
-      return optional ? kOptFloat : kFloat;
+      return {kFloat, optional};
     case TypeKind::BoolType:
-      return optional ? kOptBool : kBool;
+      return {kBool, optional};
     case TypeKind::NumberType:
-      return optional ? kOptNumber : kNumber;
+      return {kNumber, optional};
     case TypeKind::ListType: {
       auto elem = t->castRaw<c10::ListType>()->getElementType();
-      if (elem->kind() == TypeKind::IntType) return optional ? kOptIntList : kIntList;
-      if (optional) return kOther;
-      if (elem->kind() == TypeKind::TensorType) return kTensorList;
+      if (elem->kind() == TypeKind::IntType) return {kIntList, optional};
+      if (optional) return {kOther, false};
+      if (elem->kind() == TypeKind::TensorType) return {kTensorList, false};
       if (elem->kind() == TypeKind::OptionalType &&
           elem->castRaw<c10::OptionalType>()->getElementType()->kind() == TypeKind::TensorType)
-        return kOptTensorList;
-      return kOther;
+        return {kOptTensorList, false};
+      return {kOther, false};
     }
     default:
-      return kOther;
+      return {kOther, false};
   }
 }
+
+struct OutVariant;
 
 // An ATen overload the dispatcher knows (looked up once per OpOverload).
 struct Op {
   c10::OperatorHandle handle;
   py::object func;  // the OpOverload: named in errors, reported back after a failed out= try
   std::vector<ArgKind> kinds;  // per schema argument
+  // its out= variants met so far, by their OpOverload (found once, not at every op)
+  std::unordered_map<PyObject*, std::shared_ptr<const OutVariant>> outs;
+};
+
+// An op's out= variant, as the arena calls it: per argument of the variant, -1 - k for the
+// op's output k, else the index of the op's own argument.
+struct OutVariant {
+  std::shared_ptr<Op> op;
+  std::vector<int64_t> map;
 };
 
 struct Ref {
@@ -86,8 +95,7 @@ struct Step {
   std::vector<Ref> refs;
   std::vector<int64_t> outs;
   std::vector<std::pair<int64_t, int64_t>> moves;  // (old, new) value ids of written arguments
-  std::shared_ptr<Op> out_op;  // the out= variant when planned into the arena
-  std::vector<int64_t> out_map;  // per out= argument: -1 - k for output k, else the stack index
+  std::shared_ptr<const OutVariant> out;  // when planned into the arena
   std::vector<ArenaOut> arena;
   bool grad_mode = true;
   bool keep_result = false;
@@ -121,24 +129,41 @@ inline std::shared_ptr<Op> find_op(const py::handle& func) {
   return found;
 }
 
-// Where the out= variant's arguments come from: the op's own stack, or its outputs.
-inline std::vector<int64_t> out_arguments(const Op& op, const Op& out_op, const py::tuple& names) {
-  const auto& schema = op.handle.schema();
-  const auto& out_schema = out_op.handle.schema();
-  std::vector<int64_t> map;
-  for (const auto& arg : out_schema.arguments()) {
-    int64_t k = -1;
-    for (size_t j = 0; j < names.size(); ++j)
-      if (names[j].cast<std::string>() == arg.name()) k = static_cast<int64_t>(j);
-    if (k >= 0) {
-      map.push_back(-1 - k);
-      continue;
+// `op`'s out= variant `func` with the names of its output arguments, or null (it cannot be
+// called so: the Python path knows how).
+inline std::shared_ptr<const OutVariant> out_variant(Op& op, const py::handle& func, const py::handle& names) {
+  auto it = op.outs.find(func.ptr());
+  if (it != op.outs.end()) return it->second;
+  std::shared_ptr<const OutVariant> found;
+  auto out_op = find_op(func);
+  if (out_op) {
+    auto names_ = py::cast<std::vector<std::string>>(names);
+    std::vector<int64_t> map;
+    for (const auto& arg : out_op->handle.schema().arguments()) {
+      auto named = std::find(names_.begin(), names_.end(), arg.name());
+      if (named != names_.end()) {
+        map.push_back(-1 - (named - names_.begin()));
+        continue;
+      }
+      auto index = op.handle.schema().argumentIndexWithName(arg.name());
+      if (!index.has_value()) {
+        map.clear();
+        break;
+      }
+      map.push_back(static_cast<int64_t>(*index));
     }
-    auto index = schema.argumentIndexWithName(arg.name());
-    if (!index.has_value()) return {};
-    map.push_back(static_cast<int64_t>(*index));
+    if (!map.empty()) found = std::make_shared<const OutVariant>(OutVariant{out_op, std::move(map)});
   }
-  return map;
+  op.outs.emplace(py::reinterpret_borrow<py::object>(func).release().ptr(), found);  // (kept, as op_cache)
+  return found;
+}
+
+inline std::vector<int64_t> int_list(PyObject* seq) {
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<int64_t> out(n);
+  for (Py_ssize_t i = 0; i < n; ++i) out[i] = PyLong_AsLongLong(items[i]);
+  return out;
 }
 
 inline bool is_number(PyObject* x) {
@@ -158,45 +183,27 @@ inline at::Tensor wrapped_number(PyObject* x) {
 // this list item later (left an undefined tensor, or None in a list of optional tensors).
 inline c10::IValue to_ivalue(PyObject* x, ArgKind kind, const c10::Argument& formal,
                              const std::vector<int64_t>& holes) {
-  bool none = x == Py_None;
-  switch (kind) {
-    case kOptTensor:
-      if (none) return c10::IValue();
-      [[fallthrough]];
+  if (kind.optional && x == Py_None) return c10::IValue();
+  switch (kind.base) {
     case kTensor:
       if (THPVariable_Check(x)) return THPVariable_Unpack(x);
       if (is_number(x)) return wrapped_number(x);
       break;
-    case kOptInt:
-      if (none) return c10::IValue();
-      [[fallthrough]];
     case kInt:
       if (PyLong_CheckExact(x)) return static_cast<int64_t>(PyLong_AsLongLong(x));
       break;
-    case kOptFloat:
-      if (none) return c10::IValue();
-      [[fallthrough]];
     case kFloat:
       if (PyFloat_CheckExact(x)) return PyFloat_AS_DOUBLE(x);
       if (PyLong_CheckExact(x)) return static_cast<double>(PyLong_AsLongLong(x));
       break;
-    case kOptBool:
-      if (none) return c10::IValue();
-      [[fallthrough]];
     case kBool:
       if (PyBool_Check(x)) return x == Py_True;
       break;
-    case kOptNumber:
-      if (none) return c10::IValue();
-      [[fallthrough]];
     case kNumber:
       if (PyBool_Check(x)) return x == Py_True;
       if (PyLong_CheckExact(x)) return static_cast<int64_t>(PyLong_AsLongLong(x));
       if (PyFloat_CheckExact(x)) return PyFloat_AS_DOUBLE(x);
       break;
-    case kOptIntList:
-      if (none) return c10::IValue();
-      [[fallthrough]];
     case kIntList: {
       if (!PyList_Check(x) && !PyTuple_Check(x)) break;
       Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
@@ -217,7 +224,7 @@ inline c10::IValue to_ivalue(PyObject* x, ArgKind kind, const c10::Argument& for
       Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
       PyObject** items = PySequence_Fast_ITEMS(x);
       auto hole = [&](Py_ssize_t i) { return std::find(holes.begin(), holes.end(), i) != holes.end(); };
-      if (kind == kTensorList) {
+      if (kind.base == kTensorList) {
         c10::List<at::Tensor> list;
         list.reserve(n);
         for (Py_ssize_t i = 0; i < n; ++i) {
@@ -351,18 +358,19 @@ inline bool convert(const py::handle& run, const py::set& not_in_place, Step& st
   step.keep_result = field(run, f.keep_result).ptr() == Py_True;
   step.op_index = PyLong_AsLongLong(field(run, f.op_index).ptr());
   py::object arena_out = field(run, f.arena_out);
-  if (!arena_out.is_none()) {
-    py::tuple planned(arena_out);
-    if (!not_in_place.contains(planned[0])) {
-      step.out_op = find_op(planned[0]);
-      if (step.out_op) step.out_map = out_arguments(*step.op, *step.out_op, py::tuple(planned[1]));
-      if (step.out_map.empty()) return false;  // (the Python path knows how to call it)
-      for (const auto& o : py::tuple(planned[2])) {
-        auto out = py::reinterpret_borrow<py::tuple>(o);
+  if (!arena_out.is_none()) {  // (out_func, out argument names, per output its planned place)
+    PyObject* planned = arena_out.ptr();
+    PyObject* func = PyTuple_GET_ITEM(planned, 0);
+    if (!not_in_place.contains(func)) {
+      step.out = out_variant(*step.op, func, PyTuple_GET_ITEM(planned, 1));
+      if (!step.out) return false;
+      PyObject* places = PyTuple_GET_ITEM(planned, 2);
+      for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(places); ++k) {
+        PyObject* o = PyTuple_GET_ITEM(places, k);  // (offset, shape, stride, dtype, bytes)
         step.arena.push_back(ArenaOut{
-            out[0].cast<int64_t>(), out[1].cast<std::vector<int64_t>>(),
-            out[2].cast<std::vector<int64_t>>(),
-            reinterpret_cast<THPDtype*>(out[3].ptr())->scalar_type, out[4].cast<int64_t>()});
+            PyLong_AsLongLong(PyTuple_GET_ITEM(o, 0)), int_list(PyTuple_GET_ITEM(o, 1)),
+            int_list(PyTuple_GET_ITEM(o, 2)), reinterpret_cast<THPDtype*>(PyTuple_GET_ITEM(o, 3))->scalar_type,
+            PyLong_AsLongLong(PyTuple_GET_ITEM(o, 4))});
       }
     }
   }

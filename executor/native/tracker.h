@@ -53,8 +53,6 @@ class Tracker {
     return dead;
   }
 
-  size_t live() const { return live_.size(); }
-
  private:
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> refs_;
   std::vector<int64_t> vids_;

@@ -117,6 +117,18 @@ def test_an_op_failing_on_the_engine_reports_the_python_exception_and_frees_what
     assert nex.error is None and nex.value(4).tolist() == [1.0, 1.0]
 
 
+def test_a_value_missing_from_the_table_fails_its_op_with_a_key_error_on_both_executors(nex):
+    slow = Executor("python")
+    try:
+        for ex in (nex, slow):
+            ex.submit(run(aten.neg.default, V(7), outs=[8], op_index=3))
+            with pytest.raises(ExecutorError, match="aten.neg.default failed on the executor: KeyError") as err:
+                ex.drain(10)
+            assert err.value.op_index == 3 and isinstance(err.value.__cause__, KeyError)
+    finally:
+        slow.close()
+
+
 def twice(x):
     """Not an ATen overload: the engine cannot call it, so it runs in Python."""
     return aten.mul.Tensor(x, 2)
