@@ -325,6 +325,11 @@ class Skeleton(Recorder):
         self._due: list[Any] = []  # planned instructions due after the op just issued
         self._issued: list | None = None  # while a call is captured: the ops execute issued
         self.templated = 0  # calls issued from templates
+        # with a plan: the site of each op issued, in order (the step's path signature), and
+        # the latest cursor context with its loop iterations
+        self.sites: list[Site] = []
+        self._ctx: Any = None
+        self._its: tuple = ()
 
     def start(self, base: Any) -> None:
         self.trace.computed = False
@@ -487,7 +492,13 @@ class Skeleton(Recorder):
         session = self.session
         remat = session.remat
         base, first, n_ret = session.base, len(self.trace.values), node.n_returned
-        its = iterations(self.cursor.placed[rec.index][1]) if session.schedule is not None else ()
+        its = ()
+        if session.schedule is not None:
+            ctx = self.cursor.placed[rec.index][1]
+            if ctx is not self._ctx:  # (ops of one loop iteration share their context)
+                self._ctx, self._its = ctx, iterations(ctx)
+            its = self._its
+            self.sites.append(Site(node.id, its))
         arena_out = None
         if session.arena is not None and clean:
             arena_out = self._arena_out(func, node, its, n_ret)
@@ -504,7 +515,7 @@ class Skeleton(Recorder):
                     if key in remat.parked and (k >= len(node.out_alias) or node.out_alias[k] is None):
                         self._new_parked.append((rec.index, k, key))
         self.backwards.grad_modes.append(grad_mode)
-        deferred = session.blocks and session.enter(Site(node.id, its))
+        deferred = session.blocks and session.enter(self.sites[-1])
         position = session.submit(
             Run(
                 func, ins_args, ins_kwargs, refs,

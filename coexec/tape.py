@@ -32,7 +32,7 @@ from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
 from tracegraph.reasons import FallbackReason, why_new
 
-from . import observe, programs, runtime
+from . import collector, observe, programs, runtime
 from .arena import iterations, sites, writable_ops
 from .blocks import BlockIndex
 from .causes import max_traces_message
@@ -609,6 +609,8 @@ class _Step:
             self.rec = _ProgramSkeleton(program.graph, self.session, blocks)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
+        if self.rec is not None:
+            collector.hold()  # (released by end)
 
     def _new_session(self, program: Program) -> Session:
         return Session(self.ex, self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs)
@@ -684,6 +686,8 @@ class _Step:
             elif self.phase == "coexec":
                 self._end_coexec(error)
         finally:
+            if self.rec is not None:
+                collector.release()
             stats.seconds[self.phase] += time.perf_counter() - self.t0
             stats.last_phase = self.phase
 
@@ -766,7 +770,10 @@ class _Step:
         """The sites of the co-executed step's ops, in order (a planned path's, if it took one)."""
         from .budget import path_signature
 
-        return path_signature(self.rec.cursor.placed, iterations)
+        sk = self.rec
+        if len(sk.sites) == len(sk.cursor.placed):  # (every op placed was issued, in order)
+            return tuple(sk.sites)
+        return path_signature(sk.cursor.placed, iterations)
 
     def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
         """Bind the step's placeholders, give persistent state its real tensors, and let the

@@ -1,0 +1,94 @@
+"""Mean step time of the zoo under coexec and eagerly: what a training loop's throughput sees.
+
+    python bench/step_means.py [--models gpt2-6l,mobilenet_v2,resnet18] [--batch 1] [--steps 40]
+                               [--threads 1]
+
+``bench/zoo_steps.py`` reports medians of paired steps, which hide a slow step every ten or
+twenty (a full garbage collection, docs/coexec.md "Garbage collection"); a loop's throughput
+pays for it. Per zoo model: one copy trains under ``coexec.GradientTape()`` until it
+co-executes on its plan, then ``--steps`` co-executed steps are timed back to back, then as
+many eager steps of a second copy. Prints the mean, median and slowest step of each, and
+``mean ratio`` (coexec mean over eager mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import coexec  # noqa: E402
+from common import markdown_table  # noqa: E402
+from examples.models import ZOO  # noqa: E402
+
+
+def timed_steps(step, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(name: str, batch: int, steps: int) -> dict:
+    co, eager = ZOO[name](batch), ZOO[name](batch)
+    tape = coexec.GradientTape(key=("step-means", name, batch))
+
+    def coexec_step() -> None:
+        with tape:
+            co.step()
+
+    for _ in range(20):
+        coexec_step()
+        if tape.stats.phase == "coexec" and tape.stats.coexec_steps >= 2:
+            break
+    if tape.stats.phase != "coexec":
+        raise RuntimeError(f"{name} did not settle into co-execution: {tape.stats}")
+    coexec.wait_for_plans()
+    for _ in range(3):  # on the plan
+        coexec_step()
+    for _ in range(3):
+        eager.step()
+    c = timed_steps(coexec_step, steps)
+    e = timed_steps(eager.step, steps)
+    return {
+        "model": name,
+        "batch": batch,
+        "coexec mean ms": 1e3 * statistics.mean(c),
+        "coexec median ms": 1e3 * statistics.median(c),
+        "coexec slowest ms": 1e3 * max(c),
+        "eager mean ms": 1e3 * statistics.mean(e),
+        "eager median ms": 1e3 * statistics.median(e),
+        "eager slowest ms": 1e3 * max(e),
+        "mean ratio": statistics.mean(c) / statistics.mean(e),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="gpt2-6l,mobilenet_v2,resnet18")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore", RuntimeWarning)
+    rows = []
+    for name in args.models.split(","):
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        rows.append(measure(name, args.batch, args.steps))
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
