@@ -350,7 +350,7 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
             t.keys[loc] = key
     rec = OpRecord(index, key, inputs, (), t.writes, False, None, t.out_alias, t.n_returned, t.out_struct)
     try:
-        node = sk.cursor.op(rec)
+        node = sk.cursor.op(rec, lambda: sk.output_metas(t.func, args, kwargs))
     except NotCovered as e:
         sk.fall_back(e.reason)
         return MISS

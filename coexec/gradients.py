@@ -562,7 +562,7 @@ class Backwards:
                 index, gop.key, inputs, (), gop.writes, False, gop.backward_of, gop.out_alias,
                 gop.n_returned, gop.out_struct,
             )  # fmt: skip
-            node = sk.cursor.op(rec)
+            node = sk.cursor.op(rec, lambda: gop.out_metas)
             if node.id != gop.node_id:  # the graph matched as when the block was made
                 raise AssertionError("coexec: a gradient block went off its graph")
             args, kwargs = list(gop.args), dict(gop.kwargs)

@@ -419,7 +419,7 @@ class Skeleton(Recorder):
             self.fall_back(f"{func} changes a tensor's metadata in place")
             return super().execute(rec, func, args, kwargs, tensors)
         try:
-            node = self.cursor.op(rec)
+            node = self.cursor.op(rec, lambda: self.output_metas(func, args, kwargs))
         except NotCovered as e:
             self.fall_back(e.reason)
             return super().execute(rec, func, args, kwargs, tensors)
@@ -638,6 +638,34 @@ class Skeleton(Recorder):
             shape, stride = tuple(meta.shape), tuple(meta.stride)
             outs.append((offset, shape, stride, meta.dtype, span_bytes(shape, stride, meta.dtype)))
         return (ov[0], ov[1], tuple(outs))
+
+    def output_metas(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
+        """The metadata of the op's outputs, flattened as the recorder numbers them (returned
+        tensors, then arguments written and not returned), worked out on the meta device
+        without running it (None: it cannot be): for a graph node whose fed integer may have
+        changed a size (``Cursor.sizes_hold``)."""
+
+        def meta(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                if x.layout is not torch.strided:
+                    raise TypeError("not strided")
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+            if isinstance(x, (list, tuple)):
+                return type(x)(meta(y) for y in x)
+            return x
+
+        try:
+            m_args = [meta(a) for a in args]
+            m_kwargs = {k: meta(v) for k, v in kwargs.items()}
+            with torch.no_grad():
+                out = self.unrecorded(func, *m_args, **m_kwargs)
+        except Exception:  # noqa: BLE001  (no meta kernel, an argument it cannot take: unknown)
+            return None
+        flat = [x for x in (out if isinstance(out, (tuple, list)) else (out,)) for x in (x if isinstance(x, (tuple, list)) else (x,))]
+        returned = {id(x) for x in flat}
+        written = [m_args[i] if i < len(m_args) else None for i in schema_of(func).writes]
+        flat += [w for w in written if isinstance(w, torch.Tensor) and id(w) not in returned]
+        return tuple(TensorMeta.of(x) for x in flat if isinstance(x, torch.Tensor))
 
     def storage_key(self, t: torch.Tensor) -> int | None:
         if isinstance(t, Placeholder):

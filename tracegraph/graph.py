@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from . import reasons
 from .location import CODES
 from .reasons import NotCovered
-from .schema import FED, TensorMeta, is_number_like, schema_of
+from .schema import FED, VALUE, TensorMeta, is_number_like, schema_of
 from .structure import LoopKey, LoopTracker, in_order
 from .trace import Fetch, OpKey, OpRecord, Trace
 
@@ -372,8 +372,10 @@ class Cursor:
         self.frames = [_Frame(graph.root, (), None, 0)]
 
     # -- feeding --------------------------------------------------------------------------
-    def op(self, rec: OpRecord) -> Node:
-        """Place the next op; returns its node."""
+    def op(self, rec: OpRecord, infer: Callable[[], tuple | None] | None = None) -> Node:
+        """Place the next op; returns its node. ``infer``: where the op has not run (its
+        outputs are not recorded), the metadata its outputs will have (None: unknown), asked
+        for only where a fed number may change a size (:meth:`sizes_hold`)."""
         ev = self.tracker.add_op(rec.index, rec.key.loc)
         self._close_to(ev.keep)
         if ev.restart:
@@ -381,7 +383,7 @@ class Cursor:
         for key in ev.opened:
             self._open(key)
         f = self.frames[-1]
-        node = self.match_op(f.region, f.cur, rec, f.ctx)
+        node = self.match_op(f.region, f.cur, rec, f.ctx, infer)
         self.edge(f.region, f.cur, node)
         f.cur = node
         return node
@@ -461,7 +463,9 @@ class Cursor:
         self.frames.append(_Frame(node.body, ctx, node, self.instances))
 
     # -- ops ------------------------------------------------------------------------------
-    def match_op(self, region: Region, cur: Node, rec: OpRecord, ctx: Ctx) -> Node:
+    def match_op(
+        self, region: Region, cur: Node, rec: OpRecord, ctx: Ctx, infer: Callable[[], tuple | None] | None = None
+    ) -> Node:
         srcs = tuple(self.source(v, ctx) for v in rec.inputs)
         cache_key = (rec.key, srcs)
         hit = cur.match_cache.get(cache_key)
@@ -469,7 +473,7 @@ class Cursor:
             return self.visit(hit, rec, ctx)
         children = region.succ[cur]
         for child in children:
-            if child.kind == OP and self.same(child, rec.key, srcs, ctx):
+            if child.kind == OP and self.same(child, rec.key, srcs, ctx) and self.sizes_hold(child, rec, infer):
                 if not self.mutate and not child.promoted and all(len(a) == 1 for a in child.sources):
                     cur.match_cache[cache_key] = child
                 return self.visit(child, rec, ctx)
@@ -482,7 +486,7 @@ class Cursor:
         for cand in region.index.get(_index_key(rec.key), ()):
             if cand in children or region.reaches(cand, cur):
                 continue  # merging back there would make a cycle
-            if self.same(cand, rec.key, srcs, ctx) or self.generalize(
+            if (self.same(cand, rec.key, srcs, ctx) and self.sizes_hold(cand, rec, None)) or self.generalize(
                 cand, rec.key, srcs, out_metas, ctx, False
             ):
                 return self.visit(cand, rec, ctx)
@@ -562,6 +566,30 @@ class Cursor:
         if node.key != key or len(node.sources) != len(srcs):
             return False
         return all(self.resolves(alts, s, ctx) for alts, s in zip(node.sources, srcs))
+
+    def sizes_hold(self, node: Node, rec: OpRecord, infer: Callable[[], tuple | None] | None) -> bool:
+        """Does the op make outputs of ``node``'s sizes? Asked where the node's fed numbers
+        differ from the op's at a place that may set a size (an integer argument, or any
+        number of an op without tensor inputs): the slice of an epoch's shorter last chunk
+        differs from the others only in its end. A recorded op's outputs are in its trace;
+        else ``infer`` says (without it, or if it cannot tell, the op does not match)."""
+        if not node.promoted or not node.out_metas:
+            return True
+        kinds = schema_of(rec.key.func).kinds
+        factory = not rec.inputs
+        mine, theirs = rec.key.attrs, node.key.attrs
+        if not any(_may_size(theirs[p], mine[p], kinds[p], factory) for p in node.promoted):
+            return True
+        if rec.outputs:
+            values = self.t.values
+            got: tuple | None = tuple(values[v].meta for v in rec.outputs)
+        else:
+            got = infer() if infer is not None else None
+        if got is None or len(got) != len(node.out_metas):
+            return False
+        return all(
+            a.shape == b.shape and a.stride == b.stride and a.dtype == b.dtype for a, b in zip(got, node.out_metas)
+        )
 
     def can_add(self, node: Node, alts: tuple, src: Source, ctx: Ctx) -> bool:
         """May ``src`` join an input's alternatives? The rule must pick it on this trace, and
@@ -704,6 +732,15 @@ class Cursor:
                 continue
             return ("outer", pnode.id, value.out_index)
         return ("outer", pnode.id, value.out_index)  # pragma: no cover - same iteration
+
+
+def _may_size(a: Any, b: Any, kind: str, factory: bool) -> bool:
+    """May a fed argument that was ``a`` and is ``b`` (hashable forms: ``(type, value)``)
+    have changed an output's size? An integer may (a slice's end, a narrow's length); any
+    number of a factory may (``arange``'s end); a float or a tensor operand's value may not."""
+    if a == b or kind != VALUE:
+        return False
+    return factory or (type(b) is tuple and len(b) == 2 and b[0] is int)
 
 
 from .cases import SwitchCase  # noqa: E402  (cases imports Node/Region types from here)
