@@ -654,13 +654,16 @@ class Skeleton(Recorder):
                 return type(x)(meta(y) for y in x)
             return x
 
+        self.suppress += 1  # (making the meta tensors is no op of the program either)
         try:
             m_args = [meta(a) for a in args]
             m_kwargs = {k: meta(v) for k, v in kwargs.items()}
             with torch.no_grad():
-                out = self.unrecorded(func, *m_args, **m_kwargs)
+                out = func(*m_args, **m_kwargs)
         except Exception:  # noqa: BLE001  (no meta kernel, an argument it cannot take: unknown)
             return None
+        finally:
+            self.suppress -= 1
         flat = [x for x in (out if isinstance(out, (tuple, list)) else (out,)) for x in (x if isinstance(x, (tuple, list)) else (x,))]
         returned = {id(x) for x in flat}
         written = [m_args[i] if i < len(m_args) else None for i in schema_of(func).writes]

@@ -72,3 +72,25 @@ def arange_step(state, i):
 def test_a_factory_whose_end_varies_gets_its_own_sizes():
     tape = assert_same_as_eager(make, arange_step, 16)
     assert tape.stats.coexec_steps >= 4, tape.stats
+
+
+def remainder_step(state, i):
+    """An integer that varies in an op on integer data (``tokens % m``, as the fuzzer made it):
+    checking its sizes must not record anything into the step (the meta tensors it works on
+    went into the trace, two ops under one index, and merging a later fallback's trace failed
+    with a KeyError); step 9 takes a new branch, so such a trace is merged."""
+    model, opt = state["model"], state["opt"]
+    tokens = torch.arange(8)
+    idx = (tokens + i) % (3 if i % 2 else 5)
+    opt.zero_grad()
+    loss = model(state["source"][idx]).pow(2).mean()
+    if i == 9:
+        loss = loss * 2
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_checking_sizes_records_nothing_into_the_step():
+    tape = assert_same_as_eager(make, remainder_step, 14)
+    assert tape.stats.fallbacks >= 1 and tape.stats.coexec_steps >= 4, tape.stats
