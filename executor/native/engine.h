@@ -86,6 +86,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
     {
       std::lock_guard<std::mutex> g(q_mu_);
       q_.push_back(std::move(ins));
+      queued_.store(true, std::memory_order_release);
       wake = sleeping_;
     }
     if (wake) q_cv_.notify_one();
@@ -225,6 +226,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::condition_variable q_cv_;
   std::deque<Instr> q_;
   bool sleeping_ = false;
+  std::atomic<bool> queued_{false};
 
   std::mutex done_mu_;
   std::condition_variable done_cv_;
@@ -282,6 +284,10 @@ class Engine : public std::enable_shared_from_this<Engine> {
     std::deque<Instr> batch;
     while (true) {
       {
+        // Yield a while before sleeping: the skeleton pushes an op every 10-100 us, and waking
+        // a sleeping thread at each push was a tenth of the skeleton's time per op at batch 1
+        // (docs/coexec.md, The native engine)
+        for (int k = 0; k < 2000 && !queued_.load(std::memory_order_acquire); ++k) std::this_thread::yield();
         std::unique_lock<std::mutex> lk(q_mu_);
         while (q_.empty()) {
           sleeping_ = true;
@@ -289,6 +295,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
           sleeping_ = false;
         }
         batch.swap(q_);
+        queued_.store(false, std::memory_order_release);
       }
       while (!batch.empty()) {
         auto t0 = std::chrono::steady_clock::now();
