@@ -8,12 +8,14 @@ twenty (a full garbage collection, docs/coexec.md "Garbage collection"); a loop'
 pays for it. Per zoo model: one copy trains under ``coexec.GradientTape()`` until it
 co-executes on its plan, then ``--steps`` co-executed steps are timed back to back, then as
 many eager steps of a second copy. Prints the mean, median and slowest step of each, and
-``mean ratio`` (coexec mean over eager mean).
+``mean ratio`` (coexec mean over eager mean), and the time garbage collections took during the
+co-executed steps (``gc.callbacks``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -30,13 +32,31 @@ from common import markdown_table  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 
 
-def timed_steps(step, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return times
+class CollectionTimer:
+    """Wall time Python's garbage collections take while it is installed (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.count, self._t0 = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.count += 1
+
+
+def timed_steps(step, n: int) -> tuple[list[float], CollectionTimer]:
+    times, timer = [], CollectionTimer()
+    gc.callbacks.append(timer)
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.callbacks.remove(timer)
+    return times, timer
 
 
 def measure(name: str, batch: int, steps: int) -> dict:
@@ -58,14 +78,16 @@ def measure(name: str, batch: int, steps: int) -> dict:
         coexec_step()
     for _ in range(3):
         eager.step()
-    c = timed_steps(coexec_step, steps)
-    e = timed_steps(eager.step, steps)
+    c, collected = timed_steps(coexec_step, steps)
+    e, _ = timed_steps(eager.step, steps)
     return {
         "model": name,
         "batch": batch,
         "coexec mean ms": 1e3 * statistics.mean(c),
         "coexec median ms": 1e3 * statistics.median(c),
         "coexec slowest ms": 1e3 * max(c),
+        "coexec gc ms/step": 1e3 * collected.seconds / steps,
+        "collections/step": collected.count / steps,
         "eager mean ms": 1e3 * statistics.mean(e),
         "eager median ms": 1e3 * statistics.median(e),
         "eager slowest ms": 1e3 * max(e),

@@ -11,7 +11,8 @@ need no collection at all.
 So while a step is recorded the youngest threshold is raised to :data:`STEP_THRESHOLD`: a step
 that makes fewer new objects than that collects nothing, one that makes more (cycles in a
 long Python loop) still collects. The thresholds are put back when the last recorded step
-ends, unless someone changed them in between. Measured: docs/coexec.md, "Garbage collection".
+has ended and been let go of (``GradientTape.__exit__``), unless someone changed them in
+between. Measured: docs/coexec.md, "Garbage collection".
 """
 
 from __future__ import annotations

@@ -425,19 +425,27 @@ class GradientTape:
         _local.tape = None
         assert step is not None
         try:
-            step.end(ev)
+            try:
+                step.end(ev)
+            finally:
+                self._program = step.program  # it may have switched program (another model)
+                step.family.ran(step.program)
+            if observe.observers:  # python -m tracegraph show --record
+                stats = step.program.stats
+                coexecuted = step.phase == "coexec"
+                covered = coexecuted and step.why is None
+                fell_back = coexecuted and isinstance(step.rec, Skeleton) and step.rec.eager
+                observe.notify(observe.StepReport(
+                    step.program.where, step.program.index, stats.steps - 1, step.phase, covered,
+                    fell_back, step.why,
+                ))  # fmt: skip
         finally:
-            self._program = step.program  # it may have switched program (another model)
-            step.family.ran(step.program)
-        if observe.observers:  # python -m tracegraph show --record
-            stats = step.program.stats
-            coexecuted = step.phase == "coexec"
-            covered = coexecuted and step.why is None
-            fell_back = coexecuted and isinstance(step.rec, Skeleton) and step.rec.eager
-            observe.notify(observe.StepReport(
-                step.program.where, step.program.index, stats.steps - 1, step.phase, covered,
-                fell_back, step.why,
-            ))  # fmt: skip
+            # the collector's thresholds back once the step's objects are gone: the collection
+            # then due finds them freed, not alive to be moved to an older generation
+            held = step.holds_collector
+            del step
+            if held:
+                collector.release()
         return False
 
     # -- API ------------------------------------------------------------------------------
@@ -609,8 +617,9 @@ class _Step:
             self.rec = _ProgramSkeleton(program.graph, self.session, blocks)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
-        if self.rec is not None:
-            collector.hold()  # (released by end)
+        self.holds_collector = self.rec is not None
+        if self.holds_collector:
+            collector.hold()  # (released by GradientTape.__exit__, once the step is let go of)
 
     def _new_session(self, program: Program) -> Session:
         return Session(self.ex, self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs)
@@ -686,8 +695,6 @@ class _Step:
             elif self.phase == "coexec":
                 self._end_coexec(error)
         finally:
-            if self.rec is not None:
-                collector.release()
             stats.seconds[self.phase] += time.perf_counter() - self.t0
             stats.last_phase = self.phase
 
