@@ -45,6 +45,7 @@ from planner import Prefetch as PlannedPrefetch
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
 from tracegraph.location import CODES
 from tracegraph.reasons import OTHER, FallbackReason
+from tracegraph.recorder import flat_outputs
 from tracegraph.schema import TensorMeta, schema_of
 
 from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
@@ -664,11 +665,7 @@ class Skeleton(Recorder):
             return None
         finally:
             self.suppress -= 1
-        flat = [x for x in (out if isinstance(out, (tuple, list)) else (out,)) for x in (x if isinstance(x, (tuple, list)) else (x,))]
-        returned = {id(x) for x in flat}
-        written = [m_args[i] if i < len(m_args) else None for i in schema_of(func).writes]
-        flat += [w for w in written if isinstance(w, torch.Tensor) and id(w) not in returned]
-        return tuple(TensorMeta.of(x) for x in flat if isinstance(x, torch.Tensor))
+        return tuple(TensorMeta.of(x) for x in flat_outputs(func, m_args, m_kwargs, out))
 
     def storage_key(self, t: torch.Tensor) -> int | None:
         if isinstance(t, Placeholder):

@@ -442,7 +442,7 @@ class GradientTape:
         finally:
             # the collector's thresholds back once the step's objects are gone: the collection
             # then due finds them freed, not alive to be moved to an older generation
-            held = step.holds_collector
+            held = step.rec is not None
             del step
             if held:
                 collector.release()
@@ -617,8 +617,7 @@ class _Step:
             self.rec = _ProgramSkeleton(program.graph, self.session, blocks)
             self.rec.start(frame)
             runtime.set_active_skeleton(self.rec)
-        self.holds_collector = self.rec is not None
-        if self.holds_collector:
+        if self.rec is not None:
             collector.hold()  # (released by GradientTape.__exit__, once the step is let go of)
 
     def _new_session(self, program: Program) -> Session:

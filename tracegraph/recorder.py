@@ -493,6 +493,16 @@ class _TensorMap:
         d[key] = (weakref.ref(t, drop), vid)
 
 
+def flat_outputs(func: Any, args: tuple | list, kwargs: dict, out: Any) -> list[torch.Tensor]:
+    """An op's outputs as :meth:`Recorder.on_op` numbers them: the tensors it returned, then
+    the tensor arguments it wrote and did not return."""
+    sch = schema_of(func)
+    _attrs, tensors, owner = sch.normalize(tuple(args), kwargs)
+    results = _flatten_result(out)
+    returned = {id(t) for t in results}
+    return results + [t for t, arg in zip(tensors, owner) if arg in sch.writes and id(t) not in returned]
+
+
 def _flatten_result(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
