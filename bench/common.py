@@ -1,9 +1,31 @@
-"""Shared by the benchmark scripts: a Markdown table of result rows, pyplot if installed, and a
-random stream of its own per copy of a model."""
+"""Shared by the benchmark scripts: the threads and warnings of a run, a row per model
+measured, a Markdown table of them, pyplot if installed, and a random stream of its own per
+copy of a model."""
 
 from __future__ import annotations
 
+import sys
+import warnings
+from collections.abc import Callable
+
 import torch
+
+
+def prepare(threads: int) -> None:
+    """``threads`` intra-op threads (0: torch's default); coexec's RuntimeWarnings (hints about
+    traces and plans) kept out of the output."""
+    if threads:
+        torch.set_num_threads(threads)
+    warnings.simplefilter("ignore", RuntimeWarning)
+
+
+def measure_each(names: str, measure: Callable[[str], dict]) -> list[dict]:
+    """``measure(name)`` for each of the comma-separated ``names``, saying on stderr which runs."""
+    rows = []
+    for name in names.split(","):
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        rows.append(measure(name))
+    return rows
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import markdown_table, measure_each, prepare  # noqa: E402
 from examples.dynamic_programs import DYNAMIC_BY_NAME, DYNAMIC_PROGRAMS  # noqa: E402
 from tests.coexec.helpers import as_float, tensors_of  # noqa: E402
 
@@ -81,14 +80,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", RuntimeWarning)
-    rows = []
-    for name in args.programs.split(","):
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        rows.append(measure(DYNAMIC_BY_NAME[name], args.steps))
-    table = markdown_table(rows)
+    prepare(args.threads)
+    table = markdown_table(measure_each(args.programs, lambda name: measure(DYNAMIC_BY_NAME[name], args.steps)))
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,19 +30,16 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import coexec  # noqa: E402
 import executor.engine as engine  # noqa: E402
 import executor.stream as stream  # noqa: E402
 from coexec import runtime  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import markdown_table, measure_each, prepare  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 
 _RUNS: list[tuple[float, float, int]] = []  # (start, end, op index) per executed Run
@@ -156,15 +153,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", RuntimeWarning)
+    prepare(args.threads)
     _instrument()
-    rows = []
-    for name in args.models.split(","):
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        rows.append(measure(name, args.batch, args.steps))
-    print(markdown_table(rows))
+    print(markdown_table(measure_each(args.models, lambda name: measure(name, args.batch, args.steps))))
 
 
 if __name__ == "__main__":

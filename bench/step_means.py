@@ -19,16 +19,13 @@ import gc
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coexec  # noqa: E402
-from common import markdown_table  # noqa: E402
+from common import markdown_table, measure_each, prepare  # noqa: E402
 from examples.models import ZOO  # noqa: E402
 
 
@@ -102,14 +99,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    warnings.simplefilter("ignore", RuntimeWarning)
-    rows = []
-    for name in args.models.split(","):
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        rows.append(measure(name, args.batch, args.steps))
-    print(markdown_table(rows))
+    prepare(args.threads)
+    print(markdown_table(measure_each(args.models, lambda name: measure(name, args.batch, args.steps))))
 
 
 if __name__ == "__main__":
