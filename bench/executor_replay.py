@@ -17,6 +17,10 @@ eager step of the same model between rounds; figures are medians:
 * ``arena only``: the same runs, not deferred (no blocks: each op runs as it arrives);
 * ``blocks only``: the same runs, deferred and run in the planned order, without the arena;
 * ``unplanned``: the ``arena=False`` step's instructions;
+* ``unplanned, Python beside``: the same, with a Python thread running pure Python (holding the
+  GIL but for the interpreter's switch interval) from the last submission to the end: an engine
+  that needs the GIL for any part of an op waits for it here (it did, until it stopped letting
+  go of tensors Python holds on its own thread: docs/coexec.md, *The native engine*);
 * ``us/op``: per ATen op of the step, for ``planned`` and ``unplanned``.
 
 (Replaying a step applies its optimizer update again: the parameters move, the ops and their
@@ -31,6 +35,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -95,15 +100,37 @@ def variants(planned: list, unplanned: list) -> dict[str, list]:
     no_arena = [dataclasses.replace(x, arena_out=None) if type(x) is Run else x for x in planned]
     return {
         "planned": planned, "planned, Python": planned, "arena only": undeferred, "blocks only": no_arena,
-        "unplanned": unplanned,
+        "unplanned": unplanned, "unplanned, Python beside": unplanned,
     }  # fmt: skip
 
 
-def replay(ex, instructions: list) -> float:  # noqa: ANN001
+class PythonBeside:
+    """A thread running pure Python (no calls that release the GIL) while it is entered."""
+
+    def __enter__(self) -> PythonBeside:
+        self._stop = False
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._thread.start()
+        return self
+
+    def _spin(self) -> None:
+        while not self._stop:
+            [{i: str(i)} for i in range(100)]
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop = True
+        self._thread.join()
+
+
+def replay(ex, instructions: list, python_beside: bool = False) -> float:  # noqa: ANN001
     t0 = time.perf_counter()
     for ins in instructions:
         ex.submit(ins)
-    ex.drain(60.0)
+    if python_beside:
+        with PythonBeside():
+            ex.drain(60.0)
+    else:
+        ex.drain(60.0)
     seconds = time.perf_counter() - t0
     ex.reset()  # (fetched results nobody takes here)
     return seconds
@@ -130,7 +157,9 @@ def measure(name: str, batch: int, reps: int) -> dict:
         eager.step()
         t_e.append(time.perf_counter() - t0)
         for k, instructions in steps.items():
-            times[k].append(replay(python if k == "planned, Python" else ex, instructions))
+            times[k].append(
+                replay(python if k == "planned, Python" else ex, instructions, k == "unplanned, Python beside")
+            )
     python.close()
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     row = {"model": name, "batch": batch, "ops": runs, "eager ms": 1e3 * statistics.median(t_e)}

@@ -150,6 +150,8 @@ class NativeExecutor:
                 )
             if status != _DONE:
                 raise ExecutorDied(f"the executor thread stopped with {position - e.done} instructions pending")
+        else:  # (a wait lets go of the tensors Python holds that the engine laid aside)
+            e.exhume()
         err = self.error
         if err is not None:
             raise err

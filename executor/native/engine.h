@@ -135,6 +135,17 @@ class Engine : public std::enable_shared_from_this<Engine> {
     return s;
   }
 
+  // Let go of the tensors the thread laid aside (see bury): GIL held.
+  void exhume() {
+    if (!buried_.load(std::memory_order_acquire)) return;
+    std::vector<at::Tensor> dead;
+    {
+      std::lock_guard<std::mutex> g(grave_mu_);
+      dead.swap(grave_);
+      buried_.store(false, std::memory_order_release);
+    }
+  }
+
   // (only while nothing is pending: the thread is waiting for work)
   void clear_error() {
     error_.store(kNone);
@@ -266,6 +277,11 @@ class Engine : public std::enable_shared_from_this<Engine> {
 
   std::vector<int64_t> keys_;  // scratch
   std::vector<at::Tensor> outs_;
+  std::vector<at::Tensor> kept_;  // scratch: run_op's arguments Python holds too
+
+  std::mutex grave_mu_;
+  std::vector<at::Tensor> grave_;  // let go of by the thread, to be destroyed under the GIL
+  std::atomic<bool> buried_{false};
   std::vector<int64_t> retired_;
 
   void snapshot() {
@@ -399,8 +415,15 @@ class Engine : public std::enable_shared_from_this<Engine> {
   }
 
   void run_op(Step& s) {
+    {
+      Stack stack = std::move(s.stack);
+      run_stack(s, stack);
+    }  // (the stack let go of its arguments here; those Python holds are still in kept_)
+    bury(kept_);
+  }
+
+  void run_stack(Step& s, Stack& stack) {
     c10::GradMode::set_enabled(s.grad_mode);
-    Stack stack = std::move(s.stack);
     for (const auto& r : s.refs) {
       auto it = values_.find(r.vid);
       if (it == values_.end()) {
@@ -412,6 +435,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       coexec::put(stack, r, it->second);
     }
     input_keys(stack, keys_);
+    keep_held(stack, kept_);
     std::vector<at::Tensor>& outs = outs_;
     try {
       bool placed = false;
@@ -469,6 +493,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
         if (key && !memory_.counted(key)) memory_.add_new(t, key, keys);
       }
     }
+    bury(dead);
   }
 
   bool call_out(Step& s, const Stack& stack, std::vector<at::Tensor>& outs) {
@@ -532,6 +557,43 @@ class Engine : public std::enable_shared_from_this<Engine> {
       dead = std::move(it->second);
       values_.erase(it);
     }
+    bury(std::move(dead));
+  }
+
+  // -- tensors Python holds too ----------------------------------------------------------------
+  // Since torch 2.10 a tensor with a Python object keeps that object alive while C++ holds it
+  // as well (c10/util/intrusive_ptr.h, "PyObject preservation"): a C++ reference count going
+  // from 2 to 1 decrefs the Python object, which takes the GIL. Letting go of a parameter on
+  // this thread thus waited for the skeleton's Python to give up the GIL (gpt2-6l at batch 16:
+  // 4x slower with a busy Python thread beside it, docs/coexec.md, The native engine). Such
+  // tensors are laid aside instead, and let go of by the skeleton at its next call (exhume).
+  static bool python_holds(const at::Tensor& t) {
+    return t.defined() && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr;
+  }
+
+  void bury(at::Tensor&& t) {
+    if (!python_holds(t)) return;  // (t is let go of here, as the caller would)
+    std::lock_guard<std::mutex> g(grave_mu_);
+    grave_.push_back(std::move(t));
+    buried_.store(true, std::memory_order_release);
+  }
+
+  void bury(std::vector<at::Tensor>& ts) {
+    for (auto& t : ts) bury(std::move(t));
+    ts.clear();
+  }
+
+  // An op's arguments Python holds, referenced once more so that the op's stack letting go of
+  // them is not the 2 -> 1 step (buried after the stack).
+  static void keep_held(const Stack& stack, std::vector<at::Tensor>& kept) {
+    for (const auto& v : stack) {
+      if (v.isTensor()) {
+        if (python_holds(v.toTensor())) kept.push_back(v.toTensor());
+      } else if (v.isList()) {
+        for (const auto& x : v.toListRef())
+          if (x.isTensor() && python_holds(x.toTensor())) kept.push_back(x.toTensor());
+      }
+    }
   }
 
   // -- the other instructions ----------------------------------------------------------------
@@ -561,6 +623,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
         }
       }
     }
+    bury(dead);
     for (auto it = released_.begin(); it != released_.end();)
       it = (lo <= *it && *it < hi) ? released_.erase(it) : std::next(it);
   }

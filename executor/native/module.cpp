@@ -21,12 +21,14 @@ Instr of(Instr::Kind kind) {
 }
 
 // The engine as Python holds it: pushing converts while the GIL is held; waiting releases it.
+// Each call first lets go of the tensors Python holds that the engine laid aside (Engine::bury).
 class EngineHandle {
  public:
   explicit EngineHandle(int threads) : e_(std::make_shared<Engine>(threads)) { e_->start(); }
 
   // Convert a Run and push it; False (nothing pushed) if the engine cannot call it.
   bool run(const py::handle& run, bool deferred, const py::set& not_in_place) {
+    e_->exhume();
     auto step = std::make_unique<coexec::Step>();
     try {
       if (!coexec::convert(run, not_in_place, *step)) return false;
@@ -42,6 +44,7 @@ class EngineHandle {
 
   void put(const std::vector<int64_t>& vids, const std::vector<at::Tensor>& tensors,
            const std::vector<std::pair<int64_t, int64_t>>& moves, const py::iterable& inputs) {
+    e_->exhume();
     Instr ins = of(Instr::kPut);
     ins.vids = vids;
     ins.tensors = tensors;
@@ -58,12 +61,14 @@ class EngineHandle {
   }
 
   void free(std::vector<int64_t> vids) {
+    e_->exhume();
     Instr ins = of(Instr::kFree);
     ins.vids = std::move(vids);
     e_->push(std::move(ins));
   }
 
   void free_range(int64_t lo, int64_t hi) {
+    e_->exhume();
     Instr ins = of(Instr::kFreeRange);
     ins.lo = lo;
     ins.hi = hi;
@@ -72,6 +77,7 @@ class EngineHandle {
 
   // Launch (plan null: as issued) or Follow (with its bound) a planned block.
   void block(bool follow, std::shared_ptr<const coexec::Plan> plan, int64_t bound) {
+    e_->exhume();
     Instr ins = of(follow ? Instr::kFollow : Instr::kLaunch);
     ins.plan = std::move(plan);
     ins.bound = bound;
@@ -94,13 +100,21 @@ class EngineHandle {
   }
 
   int wait(int64_t position, double timeout) {
-    py::gil_scoped_release no_gil;
-    return e_->wait(position, timeout);
+    int status;
+    {
+      py::gil_scoped_release no_gil;
+      status = e_->wait(position, timeout);
+    }
+    e_->exhume();
+    return status;
   }
 
   void join(double timeout) {
-    py::gil_scoped_release no_gil;
-    e_->join(timeout);
+    {
+      py::gil_scoped_release no_gil;
+      e_->join(timeout);
+    }
+    e_->exhume();
   }
 
   py::object value(int64_t vid) {
@@ -173,6 +187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset_peak", &EngineHandle::reset_peak)
       .def("signal", &EngineHandle::signal)
       .def("wait", &EngineHandle::wait)
+      .def("exhume", [](EngineHandle& h) { h.e_->exhume(); })
       .def("join", &EngineHandle::join)
       .def("value", &EngineHandle::value)
       .def("take_result", &EngineHandle::take_result)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,32 @@ events = st.lists(
     ),
     max_size=60,
 )
+
+
+def test_the_engine_lets_go_of_tensors_python_holds_without_waiting_for_the_gil(nex):
+    """Letting go of a tensor Python also holds decrefs its Python object (torch >= 2.10), which
+    takes the GIL: the engine leaves that to the skeleton's next call instead, so it runs ops on
+    parameters while Python keeps the GIL (here: a thread that never gives it up, switch
+    interval 1000 s), and the tensors' Python references come back once Python calls in."""
+    params = [torch.randn(32) for _ in range(8)]
+    before = [sys.getrefcount(p) for p in params]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        for k in range(len(params)):  # reads two Python tensors, writes one, makes one value
+            nex.submit(run(aten.add.Tensor, params[k], params[k - 1], outs=[100 + k], op_index=k))
+            nex.submit(run(aten.mul_.Tensor, params[k], 0.5, outs=[200 + k], op_index=100 + k))
+            nex.submit(Free((100 + k, 200 + k)))
+        n = nex.submitted
+        deadline = time.monotonic() + 20.0  # (never reached unless the engine waits for the GIL)
+        while nex._e.counters[0] < n and time.monotonic() < deadline:
+            pass
+        done = nex._e.counters[0]
+    finally:
+        sys.setswitchinterval(old)
+    assert done == n
+    nex.drain(10)
+    assert [sys.getrefcount(p) for p in params] == before
 
 
 @settings(max_examples=60, deadline=None)
