@@ -53,6 +53,7 @@ from .blocks import BlockIndex
 from .calls import MISS, TEMPLATES, issue, make_template, needs_grad, signature
 from .errors import ValueLostError
 from .gradients import HOOK_CALLS, Backwards, GradientBlocks
+from .mirrors import Mirrors
 from .placeholder import Placeholder
 from .tracebacks import attach_issue_traceback
 from .tracking import tracker
@@ -331,16 +332,23 @@ class Skeleton(Recorder):
         self.sites: list[Site] = []
         self._ctx: Any = None
         self._its: tuple = ()
+        # values of tiny CPU tensors the skeleton computes too (coexec/mirrors.py): only where
+        # no executor work of an earlier step is pending, so outside tensors are as Python sees
+        self.mirrors: Mirrors | None = None
+        self.mirrored_fetches = 0
 
-    def start(self, base: Any) -> None:
+    def start(self, base: Any, mirrors: bool = True) -> None:
         self.trace.computed = False
         super().start(base)
+        if mirrors:
+            self.mirrors = Mirrors(self.graph, self.trace, self.externals, self.unrecorded)
         self.cursor = Cursor(self.graph, self.trace, mutate=False)  # after outside_loops is set
         if self.backwards.blocks is not None:
             self.backwards.saved.install()
 
     def stop(self, error: BaseException | None = None) -> None:
         self.backwards.saved.remove()
+        self.mirrors = None  # (it refers to this skeleton)
         super().stop(error)
         self.backwards.close()
         self.special = {}
@@ -459,6 +467,8 @@ class Skeleton(Recorder):
             self.backwards.log(rec, func, args, kwargs, moves, refs, base, grad_mode)
         for x, new in moves:
             session.retarget(x, new - base, position)
+        if self.mirrors is not None:
+            self.mirrors.mirror(rec, func, args, kwargs, tensors, first)
         if data_dependent:  # Python needs the result (or its shape) now: a fetch
             session.wait(position)
             return session.executor.take_result(rec.index), None
@@ -516,6 +526,8 @@ class Skeleton(Recorder):
                     if key in remat.parked and (k >= len(node.out_alias) or node.out_alias[k] is None):
                         self._new_parked.append((rec.index, k, key))
         self.backwards.grad_modes.append(grad_mode)
+        if self.mirrors is not None:
+            self.mirrors.issued(node, rec)
         deferred = session.blocks and session.enter(self.sites[-1])
         position = session.submit(
             Run(
@@ -684,9 +696,14 @@ class Skeleton(Recorder):
             except NotCovered as e:
                 self.fall_back(e.reason)
 
-    def before_fetch(self, kind: str, t: Any) -> None:
+    def before_fetch(self, kind: str, t: Any) -> torch.Tensor | None:
         if self.eager:
-            return
+            return None
+        if self.mirrors is not None and kind in _MIRRORED_FETCHES and isinstance(t, torch.Tensor):
+            known = self.mirrors.known(self.vmap.get(t))
+            if known is not None:  # the skeleton computed it too: no wait
+                self.mirrored_fetches += 1
+                return known
         session = self.session
         if isinstance(t, Placeholder) and t._session is session and kind not in ("numpy", "cpu"):
             session.resolve(t)
@@ -700,6 +717,7 @@ class Skeleton(Recorder):
                     session.copy_out(t)  # Python may keep the view: not into the arena
                 finally:
                     self.suppress -= 1
+        return None
 
     def fetched(self, t: torch.Tensor) -> torch.Tensor:
         return t.real() if isinstance(t, Placeholder) else t
@@ -732,6 +750,10 @@ class Skeleton(Recorder):
 
     def leaves(self) -> list[torch.Tensor]:
         return list(self.first_use.keys())
+
+
+# fetches that only read the values (a view of the data, a copy Python keeps, waits as before)
+_MIRRORED_FETCHES = frozenset({"item", "bool", "float", "int", "index", "tolist", "repr", "format", "tensor"})
 
 
 def raise_executor_error(err: ExecutorError) -> None:

@@ -82,6 +82,9 @@ class TapeStats:
     # of the latest co-executed step: its torch-level calls issued from call templates,
     # without going through the dispatcher (coexec/calls.py)
     templated_calls: int = 0
+    # of the latest co-executed step: its fetches answered by the skeleton without waiting
+    # (tiny CPU tensors it computed too, such as an optimizer's step counter: coexec/mirrors.py)
+    mirrored_fetches: int = 0
     # of the latest co-executed step: its deferred ops run ahead of their block's launch or
     # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
     run_ahead: RunAhead = RunAhead()
@@ -615,7 +618,7 @@ class _Step:
             # their recipes are made on those traces)
             blocks = program.gradient_blocks if tape.memory_budget is None else None
             self.rec = _ProgramSkeleton(program.graph, self.session, blocks)
-            self.rec.start(frame)
+            self.rec.start(frame, mirrors=not runtime.open_sessions)
             runtime.set_active_skeleton(self.rec)
         if self.rec is not None:
             collector.hold()  # (released by GradientTape.__exit__, once the step is let go of)
@@ -798,6 +801,7 @@ class _Step:
         stats.native_ops = now.native_ops - before.native_ops
         stats.gradient_blocks = self.rec.backwards.replayed
         stats.templated_calls = self.rec.templated
+        stats.mirrored_fetches = self.rec.mirrored_fetches
         stats.run_ahead = now.run_ahead - before.run_ahead
         stats.step_seconds = time.perf_counter() - self.t0
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None

@@ -175,8 +175,10 @@ class Recorder:
         rec.seconds = time.perf_counter() - t0
         return out, None
 
-    def before_fetch(self, kind: str, t: Any) -> None:
-        """Python is about to read ``t``'s data through ``kind``."""
+    def before_fetch(self, kind: str, t: Any) -> torch.Tensor | None:
+        """Python is about to read ``t``'s data through ``kind``; a tensor holding the same
+        data for Python to read instead, or None (read ``t``)."""
+        return None
 
     def fetched(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor whose data Python reads in place of ``t`` (after :meth:`before_fetch`)."""
@@ -535,7 +537,9 @@ class _FunctionMode(TorchFunctionMode):
         if kind is not None:
             target = args[0] if args else None
             rec.on_fetch(kind, target, loc)
-            rec.before_fetch(kind, target)
+            instead = rec.before_fetch(kind, target)
+            if instead is not None:
+                args = (instead, *args[1:])
             return rec.unrecorded(func, *args, **kwargs)
         ctor = DATA_CONSTRUCTORS.get(func)
         if ctor is not None and _reads_tensors(args, *ctor):
@@ -573,8 +577,8 @@ def _fetch_nested(rec: Recorder, data: Any, loc: Location) -> Any:
     """``data`` with each tensor in it fetched (``"tensor"``) and replaced by what Python reads."""
     if isinstance(data, torch.Tensor):
         rec.on_fetch("tensor", data, loc)
-        rec.before_fetch("tensor", data)
-        return rec.fetched(data)
+        instead = rec.before_fetch("tensor", data)
+        return instead if instead is not None else rec.fetched(data)
     if isinstance(data, (list, tuple)) and _has_tensor(data):
         return type(data)(_fetch_nested(rec, x, loc) for x in data)
     return data
