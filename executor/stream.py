@@ -386,8 +386,10 @@ class _Worker:
         while self.issued < len(block) and self.error is None:
             k = self.issued
             if not ran[k]:
-                if not fits(k) or not self._arena_ready(block[k]):
-                    return
+                if not fits(k):
+                    return self._stop(_BYTES)
+                if not self._arena_ready(block[k]):
+                    return self._stop(_REGION)
                 self._run_deferred(k)
                 self.ahead[0] += 1
             self.issued += 1

@@ -670,7 +670,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
         ++issued_;
         continue;
       }
-      if (!fits(issued_) || !arena_ready(*block_[issued_])) return;
+      if (!fits(issued_)) return stopped(kBytes);
+      if (!arena_ready(*block_[issued_])) return stopped(kRegion);
       run_deferred(issued_);
       ahead_[kRanAhead].fetch_add(1, std::memory_order_relaxed);
       ++issued_;
