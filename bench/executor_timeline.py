@@ -1,8 +1,10 @@
 """Where a co-executed step's time goes: the skeleton issuing ops against the executor running them.
 
     python bench/executor_timeline.py [--models gpt2-6l,resnet50] [--batch 16] [--steps 7] [--threads 1]
+                                      [--planned]
 
-Per zoo model (one SGD step, no budget, no arena), eager and co-executed steps alternate after
+Per zoo model (one SGD step, no budget, no arena; with ``--planned``, the default tape: the
+plan's order and arena, after its plan arrived), eager and co-executed steps alternate after
 warm-up; per co-executed step the executor's ops are timed (the native engine records them
 itself when asked; the Python executor's ``run`` is wrapped: instrumentation, not part of
 coexec) and figures are medians over the steps:
@@ -16,7 +18,9 @@ coexec) and figures are medians over the steps:
   its parts ``fwd``, ``bwd``, ``opt``: the forward and loss, ``loss.backward()``, the optimizer;
 * ``executor op ms``: the executor's time inside ops, summed; split into the ops it ran while
   the skeleton was still issuing (``while issuing``, with the same ops' traced time beside it,
-  ``traced, while``) and after (``after``, ``traced, after``).
+  ``traced, while``) and after (``after``, ``traced, after``);
+* ``longest idle ms``: the longest time between two ops the executor ran, and ``idle before``
+  the op it ran next (a plan the executor cannot run ahead in shows here).
 
 What it showed on the 2-core CPU with the Python executor (docs/coexec.md, Performance): ops the
 executor runs while the skeleton's Python holds the GIL and a core take several times their
@@ -80,9 +84,9 @@ def _native_runs(ex) -> None:  # noqa: ANN001
         ex._e.record_order(True)  # (and empty it for the next step)
 
 
-def measure(name: str, batch: int, steps: int) -> dict:
+def measure(name: str, batch: int, steps: int, planned: bool = False) -> dict:
     eager, co = ZOO[name](batch), ZOO[name](batch)
-    tape = coexec.GradientTape(arena=False, key=("timeline", name))
+    tape = coexec.GradientTape(arena=None if planned else False, key=("timeline", name, planned))
 
     parts: dict[str, float] = {}
 
@@ -105,7 +109,10 @@ def measure(name: str, batch: int, steps: int) -> dict:
         co_step()
     if tape.stats.phase != "coexec":
         raise RuntimeError(f"{name} did not settle into co-execution: {tape.stats}")
-    traced = {op.index: op.seconds for op in tape._program.paths[-1].trace.ops}
+    coexec.wait_for_plans()
+    co_step()
+    trace = tape._program.paths[-1].trace
+    traced = {op.index: op.seconds for op in trace.ops}
     rows = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -121,6 +128,8 @@ def measure(name: str, batch: int, steps: int) -> dict:
         c, cpu = time.perf_counter() - t0, time.thread_time() - c0
         _native_runs(ex)
         issued = _ISSUED[-1]
+        runs = sorted(_RUNS)
+        idle, idle_before = max(((c - b, k) for (_a, b, _i), (c, _d, k) in zip(runs, runs[1:])), default=(0.0, None))
         before = [(b - a, traced.get(i, 0.0)) for a, b, i in _RUNS if b <= issued]
         after = [(b - a, traced.get(i, 0.0)) for a, b, i in _RUNS if b > issued]
         rows.append({
@@ -137,10 +146,15 @@ def measure(name: str, batch: int, steps: int) -> dict:
             "traced, while": 1e3 * sum(y for _, y in before),
             "after": 1e3 * sum(x for x, _ in after),
             "traced, after": 1e3 * sum(y for _, y in after),
+            "longest idle ms": 1e3 * idle,
+            "idle before": idle_before,
         })  # fmt: skip
     out = {"model": name, "ops": len(traced), "traced op ms": 1e3 * sum(traced.values())}
     for k in rows[0]:
-        out[k] = statistics.median(r[k] for r in rows)
+        if k != "idle before":
+            out[k] = statistics.median(r[k] for r in rows)
+    longest = max(rows, key=lambda r: r["longest idle ms"])["idle before"]
+    out["idle before"] = trace.ops[longest].name if longest is not None and longest < len(trace.ops) else "-"
     out["done by then"] = f"{int(out['done by then'])}/{len(traced)}"
     out["while/traced"] = out["while issuing"] / out["traced, while"] if out["traced, while"] else float("nan")
     return out
@@ -152,10 +166,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    ap.add_argument("--planned", action="store_true", help="the default tape (plan and arena), not arena=False")
     args = ap.parse_args()
     prepare(args.threads)
     _instrument()
-    print(markdown_table(measure_each(args.models, lambda name: measure(name, args.batch, args.steps))))
+    print(markdown_table(measure_each(args.models, lambda name: measure(name, args.batch, args.steps, args.planned))))
 
 
 if __name__ == "__main__":
