@@ -372,7 +372,7 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
     out_metas = node.out_metas  # (as for any op the skeleton issues: the graph's)
     out_bytes = t.out_bytes if out_metas == t.out_metas else tuple(_bytes(m) for m in out_metas)
     sk.append_op(rec, out_metas, out_bytes)
-    if sk.mirrors is not None:
+    if sk.mirrors is not None and sk.mirrors.ready is rec:
         sk.mirrors.mirror(rec, t.func, args, kwargs, [tensors[j] for j in t.sources], first)
     vmap = sk.vmap
     written = []

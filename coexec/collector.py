@@ -24,35 +24,38 @@ STEP_THRESHOLD = 100_000
 
 _lock = threading.Lock()
 _depth = 0  # recorded steps running now (each thread may have one)
-_saved: tuple[int, ...] | None = None  # the thresholds before the first of them
-_ours: tuple[int, ...] | None = None  # the thresholds we set
+_saved: tuple[int, ...] | None = None  # the thresholds before the first of them (None: kept)
 
 
 def hold() -> None:
     """A recorded step starts."""
-    global _depth, _saved, _ours
+    global _depth, _saved
     with _lock:
         _depth += 1
         if _depth > 1:
             return
         before = gc.get_threshold()
         if before[0] == 0 or before[0] >= STEP_THRESHOLD:
-            _saved = _ours = None  # (collection off, or already rarer than ours)
+            _saved = None  # (collection off, or already rarer than ours)
             return
         _saved = before
-        _ours = (STEP_THRESHOLD, *before[1:])
-        gc.set_threshold(*_ours)
+        gc.set_threshold(*_ours(before))
 
 
 def release() -> None:
     """A recorded step ended (returned or raised)."""
-    global _depth, _saved, _ours
+    global _depth, _saved
     with _lock:
         if _depth == 0:
             return
         _depth -= 1
         if _depth or _saved is None:
             return
-        if gc.get_threshold() == _ours:  # (not if the program set its own meanwhile)
+        if gc.get_threshold() == _ours(_saved):  # (not if the program set its own meanwhile)
             gc.set_threshold(*_saved)
-        _saved = _ours = None
+        _saved = None
+
+
+def _ours(saved: tuple[int, ...]) -> tuple[int, ...]:
+    """The thresholds held steps run with, given the program's."""
+    return (STEP_THRESHOLD, *saved[1:])

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tracegraph.recorder import flat_outputs
-from tracegraph.schema import schema_of
+from tracegraph.schema import TENSOR_LIST, schema_of
 from tracegraph.trace import OpRecord
 
 MAX_NUMEL = 64  # elements of the largest tensor mirrored (counters, scalars, small vectors)
@@ -36,13 +36,10 @@ _CPU = torch.device("cpu")
 
 # per graph: node id -> may the op be mirrored (its tensors are all tiny CPU tensors)
 _NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# per op overload: can it be run on copies (deterministic, no tensor lists, no data-dependent
-# shapes or Python results, no metadata changed in place)
-_FUNCS: dict[Any, bool] = {}
 
 
 def _tiny(meta: Any) -> bool:
-    if meta.device != _CPU or meta.layout != torch.strided:
+    if meta.device != _CPU or meta.layout != torch.strided or meta.requires_grad:
         return False
     n = 1
     for s in meta.shape:
@@ -50,28 +47,17 @@ def _tiny(meta: Any) -> bool:
     return n <= MAX_NUMEL
 
 
-def _func_mirrorable(func: Any) -> bool:
-    ok = _FUNCS.get(func)
-    if ok is None:
-        sch = schema_of(func)
-        lists = any(
-            isinstance(a.type, torch.ListType) and not isinstance(a.type.getElementType(), (torch.IntType, torch.FloatType, torch.BoolType, torch.NumberType))
-            for a in func._schema.arguments
-        )  # fmt: skip
-        ok = _FUNCS[func] = not (
-            sch.random or sch.data_dependent or sch.dynamic_shape or sch.inplace_view or lists
-        )
-    return ok
-
-
 def _mirrorable(by_node: dict[int, bool], node: Any, func: Any) -> bool:
+    """May ``node``'s op run on copies: deterministic, without tensor lists, data-dependent
+    shapes, Python results or metadata changed in place, every tensor a tiny CPU tensor?"""
     ok = by_node.get(node.id)
     if ok is None:
-        metas = node.key.metas
+        sch = schema_of(func)
         ok = by_node[node.id] = bool(
-            metas and node.out_metas and "py" not in node.out_struct and _func_mirrorable(func)
-            and all(_tiny(m) and not m.requires_grad for m in metas)
-            and all(_tiny(m) and not m.requires_grad for m in node.out_metas)
+            node.key.metas and node.out_metas and "py" not in node.out_struct
+            and not (sch.random or sch.data_dependent or sch.dynamic_shape or sch.inplace_view)
+            and TENSOR_LIST not in sch.kinds
+            and all(map(_tiny, node.key.metas)) and all(map(_tiny, node.out_metas))
         )  # fmt: skip
     return ok
 
@@ -84,7 +70,9 @@ class Mirrors:
         if by_node is None:
             by_node = _NODES[graph] = {}
         self._nodes: dict[int, bool] = by_node  # node id -> may its op be mirrored
-        self._ready: OpRecord | None = None  # the op issued last, if all its inputs are known
+        # the op issued last, if it may be mirrored and all its inputs are known: the one
+        # :meth:`mirror` runs (callers check it first, to build nothing for the others)
+        self.ready: OpRecord | None = None
         self._trace = trace
         self._externals = externals  # value id -> the tensor from outside the step
         self._run = run  # runs an op unrecorded (the skeleton's ``unrecorded``)
@@ -99,28 +87,27 @@ class Mirrors:
         tensors from outside the step it reads are taken now, before the executor can write
         them; the storages it writes are written from then on (applied at the next call, so
         that :meth:`mirror` of the same op still reads their values)."""
-        self._settle()
-        self._ready = None
+        if self._pending is not None:
+            self._settle()
+        self.ready = None
         if _mirrorable(self._nodes, node, rec.key.func):
             values = self.values
             for vid in rec.inputs:
                 if vid not in values and self._external(vid) is None:
                     break
             else:
-                self._ready = rec
+                self.ready = rec
         if rec.writes:
             self._pending = rec
 
     def mirror(
         self, rec: OpRecord, func: Any, args: Sequence, kwargs: dict, tensors: Sequence[torch.Tensor], first: int
     ) -> None:
-        """Run op ``rec`` (issued with ``args``/``kwargs`` whose tensors are ``tensors``, in
-        ``rec.inputs`` order) on the known values of its inputs, if :meth:`issued` found it
-        may be mirrored and all are known; its outputs are values ``first``, ``first + 1``,
-        ... (as the recorder numbers them). Call after :meth:`issued` and the submission."""
-        if self._ready is not rec:
-            return
-        self._ready = None
+        """Run op ``rec`` (:attr:`ready`; issued with ``args``/``kwargs`` whose tensors are
+        ``tensors``, in ``rec.inputs`` order) on the known values of its inputs; its outputs
+        are values ``first``, ``first + 1``, ... (as the recorder numbers them). Call after
+        :meth:`issued` and the submission."""
+        self.ready = None
         try:
             out = self._run_on_copies(rec, func, args, kwargs, tensors)
         finally:

@@ -467,7 +467,7 @@ class Skeleton(Recorder):
             self.backwards.log(rec, func, args, kwargs, moves, refs, base, grad_mode)
         for x, new in moves:
             session.retarget(x, new - base, position)
-        if self.mirrors is not None:
+        if self.mirrors is not None and self.mirrors.ready is rec:
             self.mirrors.mirror(rec, func, args, kwargs, tensors, first)
         if data_dependent:  # Python needs the result (or its shape) now: a fetch
             session.wait(position)

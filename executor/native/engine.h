@@ -434,8 +434,9 @@ class Engine : public std::enable_shared_from_this<Engine> {
       }
       coexec::put(stack, r, it->second);
     }
-    input_keys(stack, keys_);
-    keep_held(stack, kept_);
+    // (the arguments Python holds go into kept_: the stack letting go of them is then not the
+    // 2 -> 1 step; they are buried after it)
+    scan_inputs(stack, keys_, kept_);
     std::vector<at::Tensor>& outs = outs_;
     try {
       bool placed = false;
@@ -563,37 +564,29 @@ class Engine : public std::enable_shared_from_this<Engine> {
   // -- tensors Python holds too ----------------------------------------------------------------
   // Since torch 2.10 a tensor with a Python object keeps that object alive while C++ holds it
   // as well (c10/util/intrusive_ptr.h, "PyObject preservation"): a C++ reference count going
-  // from 2 to 1 decrefs the Python object, which takes the GIL. Letting go of a parameter on
-  // this thread thus waited for the skeleton's Python to give up the GIL (gpt2-6l at batch 16:
-  // 4x slower with a busy Python thread beside it, docs/coexec.md, The native engine). Such
+  // from 2 to 1 decrefs the Python object, which takes the GIL: letting go of a parameter on
+  // this thread would wait for the skeleton's Python (docs/coexec.md, The native engine). Such
   // tensors are laid aside instead, and let go of by the skeleton at its next call (exhume).
-  static bool python_holds(const at::Tensor& t) {
-    return t.defined() && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr;
-  }
-
   void bury(at::Tensor&& t) {
-    if (!python_holds(t)) return;  // (t is let go of here, as the caller would)
+    if (!python_holds(t)) return;  // (the caller lets go of it)
     std::lock_guard<std::mutex> g(grave_mu_);
     grave_.push_back(std::move(t));
     buried_.store(true, std::memory_order_release);
   }
 
+  // Those of `ts` Python holds are laid aside, the others let go of (after the lock); `ts` ends
+  // empty.
   void bury(std::vector<at::Tensor>& ts) {
-    for (auto& t : ts) bury(std::move(t));
-    ts.clear();
-  }
-
-  // An op's arguments Python holds, referenced once more so that the op's stack letting go of
-  // them is not the 2 -> 1 step (buried after the stack).
-  static void keep_held(const Stack& stack, std::vector<at::Tensor>& kept) {
-    for (const auto& v : stack) {
-      if (v.isTensor()) {
-        if (python_holds(v.toTensor())) kept.push_back(v.toTensor());
-      } else if (v.isList()) {
-        for (const auto& x : v.toListRef())
-          if (x.isTensor() && python_holds(x.toTensor())) kept.push_back(x.toTensor());
-      }
+    if (ts.empty()) return;
+    {
+      std::lock_guard<std::mutex> g(grave_mu_);
+      for (auto& t : ts)
+        if (python_holds(t)) {
+          grave_.push_back(std::move(t));
+          buried_.store(true, std::memory_order_release);
+        }
     }
+    ts.clear();
   }
 
   // -- the other instructions ----------------------------------------------------------------

@@ -388,15 +388,26 @@ inline void put(Stack& stack, const Ref& ref, const at::Tensor& t) {
   stack[ref.index] = list;
 }
 
-// The storages of an op's tensor arguments (an output on one of them is not new memory).
-inline void input_keys(const Stack& stack, std::vector<int64_t>& keys) {
+// Does Python hold `t` too (it has a Python object)? Letting go of such a tensor on the engine's
+// thread can take the GIL (Engine::bury says why).
+inline bool python_holds(const at::Tensor& t) {
+  return t.defined() && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr;
+}
+
+// An op's tensor arguments: the storages they use (an output on one of them is not new memory)
+// into `keys`, and those Python holds too, referenced once more, into `held`.
+inline void scan_inputs(const Stack& stack, std::vector<int64_t>& keys, std::vector<at::Tensor>& held) {
   keys.clear();
+  auto one = [&](const at::Tensor& t) {
+    keys.push_back(storage_key(t));
+    if (python_holds(t)) held.push_back(t);
+  };
   for (const auto& v : stack) {
     if (v.isTensor()) {
-      keys.push_back(storage_key(v.toTensor()));
+      one(v.toTensor());
     } else if (v.isList()) {  // (a Tensor[] is a list of IValues too)
       for (const auto& x : v.toListRef())
-        if (x.isTensor()) keys.push_back(storage_key(x.toTensor()));
+        if (x.isTensor()) one(x.toTensor());
     }
   }
 }
