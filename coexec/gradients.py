@@ -40,6 +40,11 @@ from .placeholder import Placeholder
 if TYPE_CHECKING:
     from .skeleton import Session, Skeleton
 
+# Devices whose backwards may run as blocks. Not CUDA until bench/cuda_gradient_blocks.py has
+# run bit-equal on a GPU: replayed blocks gave other values than eager on an H200, and on an
+# H100 the likely cause showed (reached_leaves lost leaves; docs/coexec.md, Known limits).
+BLOCK_DEVICES = frozenset({"cpu"})
+
 # Where a gradient op's input comes from, in the step that issues the block.
 SEG = 0  # a value the block made: ``a`` counts from the block's first value
 OUT = 1  # output ``b`` of op ``a`` of the step
@@ -211,13 +216,15 @@ def reached_leaves(root: Any) -> list[torch.Tensor] | None:
     """The leaves the graph from ``root`` accumulates into, in a fixed order; None if a node
     runs Python (a custom Function, a module's backward hook) or a leaf has hooks."""
     leaves: list[torch.Tensor] = []
-    seen: set[int] = set()
+    # (holds the nodes seen: a C++ node's Python wrapper lives only while referenced, and a
+    # new one may take a freed one's address, and so its id)
+    seen: dict[int, Any] = {}
     stack = [root]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             return None
         leaf = getattr(node, "variable", None)
@@ -385,9 +392,7 @@ class Backwards:
             return "backward() has arguments"
         if not isinstance(loss, Placeholder) or loss.grad_fn is None:
             return "the loss is not a tensor of this step with a gradient function"
-        if loss.device.type != "cpu":
-            # (the engine runs it on a device thread; replayed blocks gave other values than
-            # eager on an H200, cause not found: docs/coexec.md, Known limits)
+        if loss.device.type not in BLOCK_DEVICES:
             return f"the backward runs on {loss.device.type} (gradient blocks are verified on CPU only)"
         if self.hooked:
             return "the step called register_hook or retain_grad"
@@ -468,9 +473,9 @@ class Backwards:
             if vid is None or vid < v0 or use is None:
                 return f"a leaf of shape {list(leaf.shape)} got no new gradient of this backward"
             finals.append(vid - v0)
-        held = sorted(alive - set(finals))
-        if held:
-            made = ", ".join(sorted({ops[values[v0 + s].producer].name for s in held if values[v0 + s].producer is not None}))
+        stray = sorted(alive - set(finals))
+        if stray:
+            made = ", ".join(sorted({ops[values[v0 + s].producer].name for s in stray if values[v0 + s].producer is not None}))
             return f"Python holds values of the backward other than the leaves' gradients (made by {made or 'nothing'})"
         moved: set[int] = set()
         last_use: dict[int, int] = {}

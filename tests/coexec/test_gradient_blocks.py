@@ -155,3 +155,53 @@ def test_a_saved_tensor_modified_in_place_raises_as_in_eager():
     for _ in range(4):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"), tape:
             step(x)
+
+
+class _Node:
+    """A graph node whose ``next_functions`` makes new wrappers on each access, as autograd's
+    C++ nodes do once nothing holds their Python objects (which are then freed, and their
+    addresses reused by the next wrapper made)."""
+
+    def __init__(self, spec) -> None:
+        self._spec = spec
+        if isinstance(spec, torch.Tensor):
+            self.variable = spec
+
+    @property
+    def next_functions(self) -> tuple:
+        return tuple((_Node(s), 0) for s in self._spec) if isinstance(self._spec, tuple) else ()
+
+
+def test_reached_leaves_finds_every_leaf_when_node_wrappers_are_made_afresh():
+    """On an H100 a CUDA backward's graph showed 1 of an MLP's 4 leaves: the walk marked nodes
+    seen by ``id`` of wrappers it had let go of, so a new wrapper at a freed one's address was
+    skipped with everything under it."""
+    from coexec.gradients import reached_leaves
+
+    leaves = [torch.zeros(1, requires_grad=True) for _ in range(6)]
+    a, b, c, d, e, f = leaves
+    spec = ((((a,), b), (c, (d,))), ((e,), (f, ())))  # branches of different depths
+    found = reached_leaves(_Node(spec))
+    assert sorted(map(id, found)) == sorted(map(id, leaves))
+
+
+def test_a_replayed_block_lets_go_of_saved_tensors_as_the_engine_does():
+    """After the backward, the activations autograd saved are let go of before the optimizer
+    step, in a replayed block as when the engine ran: the same measured peak (the block once
+    kept them to the end of the step: 7,517,224 bytes against 6,467,624 here)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 1))
+    x, y = torch.randn(256, 16), torch.randn(256, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    tape = coexec.GradientTape(key="gb-release", arena=False)
+    peaks = {}
+    for _ in range(6):
+        with tape:
+            loss = F.mse_loss(model(x), y)  # (held to the end: its graph too)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if tape.stats.last_phase == "coexec":
+            peaks.setdefault(tape.stats.gradient_blocks, set()).add(tape.stats.peak_bytes)
+    assert set(peaks) == {0, 1}, peaks  # the engine once (making the block), then the block
+    assert peaks[1] == peaks[0], peaks
