@@ -11,7 +11,7 @@ intermediate gradients, ``.grad`` bound to placeholders of the final ones.
 What autograd does besides issuing ops is done here too, or the block is not used:
 
 * saved tensors are held through saved-tensor hooks (:class:`SavedTensors`), so the ones the
-  engine would let go of after the backward are let go of at the same point, with autograd's
+  engine lets go of as it runs the backward are let go of at the same points, with autograd's
   in-place modification check;
 * a block is made only where no Python ran inside the backward (tensor or module hooks, custom
   ``autograd.Function`` s, checkpointing: watched while the engine runs), and used only while
@@ -98,6 +98,9 @@ class GradientBlock:
     leaves: tuple[LeafGrad, ...]
     n_holders: int  # saved tensors held when the backward started
     released: tuple[int, ...]  # which of them the engine let go of
+    # per released one: how many of the block's ops were issued when the engine let go of it
+    # (after the node that read it ran), so a replay lets go of it at the same point
+    release_at: tuple[int, ...] = ()
 
 
 _FREED = (
@@ -417,12 +420,19 @@ class Backwards:
         b0, v0 = len(trace.ops), len(trace.values)
         held = self.saved.alive()
         n_holders = len(self.saved.holders)
+        let_go: dict[int, int] = {}  # saved tensor -> ops of the backward issued when it went
+
+        def watch_holder(i: int, h: _Saved | None) -> weakref.ref | None:
+            return None if h is None else weakref.ref(h, lambda _r: let_go.setdefault(i, len(trace.ops) - b0))
+
+        watchers = [watch_holder(i, self.saved.holders[i]()) for i in held]
         self.capturing, self._log = True, {}
         try:
             with PythonWatch() as watch:
                 out = sk.call(func, args, kwargs, loc)
         finally:
             self.capturing = False
+        del watchers
         if leaves is None:
             made: GradientBlock | str = "the graph has a Python node (a custom Function) or a leaf with hooks"
         elif watch.seen is not None:
@@ -430,7 +440,7 @@ class Backwards:
         elif sk.eager:
             made = "the step fell back to eager in the backward"
         else:
-            made = self._make(b0, v0, leaves, before, held, n_holders)
+            made = self._make(b0, v0, leaves, before, held, n_holders, let_go)
         self._log = {}
         if isinstance(made, str):
             self.blocks.by_key[key] = None
@@ -440,7 +450,9 @@ class Backwards:
             self.blocks.why_not.pop(loc, None)
         return out
 
-    def _make(self, b0: int, v0: int, leaves: list, before: list, held: list, n_holders: int) -> GradientBlock | str:
+    def _make(
+        self, b0: int, v0: int, leaves: list, before: list, held: list, n_holders: int, let_go: dict[int, int]
+    ) -> GradientBlock | str:
         """The block of the ops the backward just issued, or why there is none."""
         sk = self.sk
         trace = sk.trace
@@ -523,7 +535,8 @@ class Backwards:
             for leaf, g, f in zip(leaves, before, finals)
         )
         released = tuple(i for i in held if self.saved.holders[i]() is None)
-        return GradientBlock(tuple(block_ops), leaf_grads, n_holders, released)
+        release_at = tuple(let_go.get(i, len(block_ops)) for i in released)
+        return GradientBlock(tuple(block_ops), leaf_grads, n_holders, released, release_at)
 
     # -- issuing a block ------------------------------------------------------------------
     def _replay(self, block: GradientBlock, loss: Placeholder) -> bool:
@@ -548,7 +561,11 @@ class Backwards:
         grads = [leaf.grad for leaf in leaves]
         made: dict[int, int] = {}  # block value -> position of the op that made it
         python: dict[int, torch.Tensor] = {}  # value -> the Python tensor holding it (.grad)
-        for gop in block.ops:
+        let_go: dict[int, list[int]] = {}  # ops issued -> the saved tensors let go of then
+        for i, at in zip(block.released, block.release_at):
+            let_go.setdefault(at, []).append(i)
+        self.saved.release(let_go.pop(0, ()))
+        for j, gop in enumerate(block.ops):
             index = len(ops)
             inputs = []
             for r in gop.inputs:
@@ -608,13 +625,16 @@ class Backwards:
                 for s in gop.frees:
                     trace.released[v0 + s] = index + 1
                 session.submit(Free(tuple(base + v0 + s for s in gop.frees)))
+            if j + 1 in let_go:
+                self.saved.release(let_go.pop(j + 1))
         for leaf, lg, g in zip(leaves, block.leaves, grads):
             if g is None:
                 vid = v0 + lg.final
                 ph = session.new_placeholder(values[vid].meta, vid, made[lg.final])
                 sk.vmap[ph] = vid
                 leaf.grad = ph
-        self.saved.release(block.released)
+        for rest in let_go.values():
+            self.saved.release(rest)
         dead = session.sweep()
         if dead:
             session.submit(Free(dead))

@@ -121,8 +121,10 @@ def test_at_the_smallest_feasible_budget_steps_recompute_stay_within_it_and_bit_
     unbudgeted = free_tape.stats.peak_bytes
     budget = smallest_budget(make, step, 6, "budget-smallest")
     # the budget bites: recomputation saves real memory (here the gradients and momentum of
-    # 6 layers, ~0.9 MB, stay whatever a plan does: 1912336 against 2106896 bytes)
-    assert budget < 0.92 * unbudgeted
+    # 6 layers, ~0.9 MB, stay whatever a plan does: 1912336 against 1975820 bytes; the
+    # unbudgeted steps' 2106896 before a replayed gradient block let go of autograd's saved
+    # tensors as the engine does, node by node)
+    assert budget < 0.97 * unbudgeted
     losses, state, tape, peaks = run_within(make, step, 6, budget, "budget-run")
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))

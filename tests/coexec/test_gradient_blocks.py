@@ -205,3 +205,29 @@ def test_a_replayed_block_lets_go_of_saved_tensors_as_the_engine_does():
             peaks.setdefault(tape.stats.gradient_blocks, set()).add(tape.stats.peak_bytes)
     assert set(peaks) == {0, 1}, peaks  # the engine once (making the block), then the block
     assert peaks[1] == peaks[0], peaks
+
+
+def test_a_replayed_block_lets_go_of_each_saved_tensor_where_the_engine_did():
+    """The engine lets go of a node's saved tensors right after running it, so a deep net's
+    activations go one by one as its backward proceeds; a replayed block does the same (once
+    it let go of them all at its end: 7,934,984 bytes at the peak here, against 6,353,932
+    when the engine ran)."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(256, 256), nn.Tanh()]
+    model = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), *layers, nn.Linear(256, 1))
+    x, y = torch.randn(512, 16), torch.randn(512, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    tape = coexec.GradientTape(key="gb-progressive", arena=False)
+    peaks = {}
+    for _ in range(6):
+        with tape:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if tape.stats.last_phase == "coexec":
+            peaks.setdefault(tape.stats.gradient_blocks, []).append(tape.stats.peak_bytes)
+    assert sorted(peaks) == [0, 1], peaks
+    assert max(peaks[1]) <= peaks[0][0], peaks
