@@ -41,10 +41,15 @@ class Execution(NamedTuple):
       runs once it is complete, in a planned order: a value is freed after its last use in
       that order if Python let go of it within the block, else when the block in which Python
       let go of it starts.
+    * ``ahead=True`` (with ``blocks``): the executor runs a block's ops ahead of its launch, as
+      the skeleton issues them, so it learns only at the end of a value Python lets go of as
+      the step returns: such a value is held to the end (freed after its last use, its bytes
+      would be waited for: the executor idles while the skeleton finishes the step).
     """
 
     blocks: bool = False
     lag: int = 0
+    ahead: bool = False
 
 
 EAGER = Execution()

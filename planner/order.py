@@ -67,23 +67,35 @@ def greedy_order(g: PlanningGraph) -> list[int]:
     ready = [v for v in range(n) if indeg[v] == 0]
     order: list[int] = []
     storages = g.storages
+    def net(v: int, used: int = -1) -> int:
+        """The live bytes op ``v`` adds (``used``: an op run just before it, which has read
+        what they share)."""
+        node = g.ops[v]
+        alloc = sum(storages[s].nbytes for s in node.allocates)
+        freed = 0
+        shared = g.ops[used].uses if used >= 0 else ()
+        for s in node.uses:
+            st = storages[s]
+            if st.kind == PERSISTENT or st.kind == ESCAPING or st.producer == v:
+                continue
+            if remaining[s] - (s in shared and st.producer != used) == 1:
+                freed += st.nbytes
+        # storages whose only use is the producer die at once
+        freed += sum(storages[s].nbytes for s in node.allocates if remaining[s] == 0 and storages[s].kind != ESCAPING)
+        return alloc - freed
+
     while ready:
-        best, best_key = None, None
-        for v in ready:
-            node = g.ops[v]
-            alloc = sum(storages[s].nbytes for s in node.allocates)
-            freed = 0
-            for s in node.uses:
-                st = storages[s]
-                if st.kind == PERSISTENT or st.kind == ESCAPING or st.producer == v:
-                    continue
-                if remaining[s] == 1:
-                    freed += st.nbytes
-            # storages whose only use is the producer die at once
-            freed += sum(storages[s].nbytes for s in node.allocates if remaining[s] == 0 and storages[s].kind != ESCAPING)
-            key = (alloc - freed, v)
-            if best_key is None or key < best_key:
-                best, best_key = v, key
+        nets = {v: net(v) for v in ready}
+        # an op that changes nothing (an in-place update of optimizer state) goes ahead of the
+        # issue order only where it readies an op that frees bytes (a weight update after its
+        # gradient): else it would run early for nothing, before the skeleton has issued it
+        rest = [x for x in nets.values() if x > 0]
+        for v, x in nets.items():
+            if x == 0:
+                enabled = [net(w, v) for w in g.succs[v] if indeg[w] == 1]
+                gain = min(enabled, default=0)
+                nets[v] = gain if gain < 0 else min(rest, default=0)
+        best = min(ready, key=lambda v: (nets[v], v))
         ready.remove(best)
         order.append(best)
         ready.extend(_retire(g, best, remaining, indeg))

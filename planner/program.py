@@ -134,14 +134,31 @@ def _block_keys(g: PlanningGraph, sites: tuple) -> list[BlockKey]:
 
 
 # -- without a budget: blocks in a planned order, one arena -----------------------------------
+# the share of the peak a plan gives up so that the executor runs blocks ahead of their launch:
+# freeing what Python holds until the step returns after its last use makes the executor wait
+# for the step's end wherever the plan reuses those bytes (GPT-2-6l at batch 16: 2.6% of the
+# peak, for steps 1.3x eager against 0.99x; bench/zoo_steps.py, docs/planner.md)
+AHEAD_SLACK = 0.05
+
 def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
-    """Each block in its least-memory order, the arena placed for those orders. Planned twice:
-    with orders that keep to the issue order as long as the peak allows, or entirely where
-    reordering saves less than ``STREAM_SLACK`` (the executor runs those ops ahead, beside the
-    skeleton), and with the plain greedy orders; the first unless its peak, arena included, is
-    higher by more than that."""
+    """Each block in its least-memory order, the arena placed for those orders. Planned for an
+    executor that runs blocks ahead of their launch (``Execution.ahead``: what Python holds
+    until the step returns is held to the end), unless blocks that wait for their launch to
+    free it earlier save more than ``AHEAD_SLACK`` of the peak, or as much with an arena."""
     preps = [_prepared(p) for p in paths]
-    graphs = [pr.g.with_execution(Execution(blocks=True)) for pr in preps]
+    ahead = _plan_blocks(preps, settings, Execution(blocks=True, ahead=True))
+    launched = _plan_blocks(preps, settings, Execution(blocks=True))
+    if launched.arena_bytes and not ahead.arena_bytes and launched.peak >= (1 - STREAM_SLACK) * ahead.peak:
+        return launched  # as little memory, in one arena (fixed addresses, shared across paths)
+    return ahead if ahead.peak <= (1 + AHEAD_SLACK) * launched.peak else launched
+
+
+def _plan_blocks(preps: list, settings: Settings, execution: Execution) -> Schedule:
+    """Planned twice: with orders that keep to the issue order as long as the peak allows, or
+    entirely where reordering saves less than ``STREAM_SLACK`` (the executor runs those ops
+    ahead, beside the skeleton), and with the plain greedy orders; the first unless its peak,
+    arena included, is higher by more than that."""
+    graphs = [pr.g.with_execution(execution) for pr in preps]
     sites = [pr.sites for pr in preps]
     lazy_orders = _block_orders(graphs, sites, settings.order_seconds, True)
     plain_orders = _block_orders(graphs, sites, settings.order_seconds, False)

@@ -11,7 +11,8 @@ knows that Python let go of its last tensor (``Storage.release``, recorded when 
 traced); escaping storages stay to the end. When the executor learns it depends on how it runs
 the path (:class:`planner.graph.Execution`): ``lag`` ops later when ops run as issued (eager
 PyTorch: at once), or, when blocks run complete in a planned order, at the start of the block
-in which Python let go of it. A dropped op's storages are also freed in their idle stretch and
+in which Python let go of it (and, where the executor runs a block ahead of its launch, at the
+end for a value let go of as the step returns). A dropped op's storages are also freed in their idle stretch and
 made again for their next use; a parked storage is off the device in its window
 (:func:`residency`, shared with the budget solver so that the two cannot disagree).
 """
@@ -66,7 +67,9 @@ def needed_at(g: PlanningGraph, order: list[int]) -> dict[int, list[int]]:
         ps = {pos[s.producer]} | {pos[u] for u in s.uses}
         r = s.release
         if r is not None and s.kind == LOCAL:
-            if ex.blocks:
+            if ex.ahead and r >= n:
+                ps.add(n - 1)  # let go of as the step returns (Execution.ahead)
+            elif ex.blocks:
                 # freed when the block in which Python let go of it starts (blocks keep their
                 # positions in a planned order): held through the end of the block before
                 held = starts[bisect.bisect_right(starts, min(r, n - 1)) - 1] - 1

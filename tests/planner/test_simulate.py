@@ -98,3 +98,28 @@ def test_escaping_storages_stay_to_the_end():
     spans = replay(g, [0, 1, 2]).intervals
     assert spans[0] == (0, 1) and spans[1] == (1, 2)
     assert g.storages[2].kind == ESCAPING and spans[2] == (2, 2)
+
+
+def test_a_value_held_until_the_step_returns_is_held_to_the_end_by_an_executor_running_ahead():
+    """Blocks that run once complete free it after its last use; blocks run ahead of their
+    launch learn of its release only at the end (planner.graph.Execution.ahead)."""
+    from planner.graph import Execution
+    from planner.simulate import lifetimes
+
+    x = torch.randn(64, 64)
+
+    def step():
+        held = x * 2.0  # let go of only as the step returns
+        return (held.exp() + 1.0).sum()  # exp's result: let go of right after its use
+
+    with record() as trace:
+        step()
+    n = len(trace.ops)
+    made = {op.name: trace.values[op.outputs[0]].storage for op in trace.ops}
+    held, temp = made["aten::mul.Tensor"], made["aten::exp"]
+    g = PlanningGraph.from_trace(trace)
+    assert g.storages[held].release >= n and g.storages[temp].release < n
+    launched = lifetimes(g.with_execution(Execution(blocks=True)), list(range(n)))
+    ahead = lifetimes(g.with_execution(Execution(blocks=True, ahead=True)), list(range(n)))
+    assert launched[held] == (0, 1) and ahead[held] == (0, n - 1)
+    assert launched[temp] == ahead[temp] == (1, 2)
