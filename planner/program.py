@@ -140,6 +140,7 @@ def _block_keys(g: PlanningGraph, sites: tuple) -> list[BlockKey]:
 # peak, for steps 1.3x eager against 0.99x; bench/zoo_steps.py, docs/planner.md)
 AHEAD_SLACK = 0.05
 
+
 def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
     """Each block in its least-memory order, the arena placed for those orders. Planned for an
     executor that runs blocks ahead of their launch (``Execution.ahead``: what Python holds
@@ -149,8 +150,11 @@ def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
     ahead = _plan_blocks(preps, settings, Execution(blocks=True, ahead=True))
     launched = _plan_blocks(preps, settings, Execution(blocks=True))
     if launched.arena_bytes and not ahead.arena_bytes and launched.peak >= (1 - STREAM_SLACK) * ahead.peak:
-        return launched  # as little memory, in one arena (fixed addresses, shared across paths)
-    return ahead if ahead.peak <= (1 + AHEAD_SLACK) * launched.peak else launched
+        best = launched  # as little memory, in one arena (fixed addresses, shared across paths)
+    else:
+        best = ahead if ahead.peak <= (1 + AHEAD_SLACK) * launched.peak else launched
+    how = "blocks: run ahead" if best is ahead else "blocks: at their launch"
+    return replace(best, methods=(*best.methods, how))
 
 
 def _plan_blocks(preps: list, settings: Settings, execution: Execution) -> Schedule:

@@ -152,3 +152,25 @@ def test_a_program_schedule_runs_every_path_in_valid_block_orders_and_shares_bra
                 spans.append((schedule.offsets[key], schedule.offsets[key] + wide))
     (a0, a1), (b0, b1) = spans
     assert a0 < b1 and b0 < a1
+
+
+def test_a_plan_says_whether_its_blocks_run_ahead_of_their_launch():
+    """The plan is for an executor that runs blocks as they are issued unless waiting for the
+    launch saves memory (planner.program.AHEAD_SLACK): a step whose savings need nothing Python
+    holds to its end runs ahead; the branch program above keeps its arena at the launch."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 64)
+    x = torch.randn(16, 8)
+    with record() as tr:
+        loss = F.mse_loss(lin(x).tanh(), torch.zeros(16, 64))
+        loss.backward()  # (the gradients escape)
+        del loss
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.sub_(0.1 * p.grad)
+            lin.weight.mul_(0.5)
+    ahead = plan_program([PathInput(tr, tuple(Site(i, ()) for i in range(len(tr.ops))), frozenset())])
+    assert "blocks: run ahead" in ahead.methods
+    paths = traced_paths()
+    inputs = [PathInput(t, s, frozenset(range(len(t.ops)))) for t, s in zip(paths, sites_of(paths))]
+    assert "blocks: at their launch" in plan_program(inputs, Settings()).methods
