@@ -68,26 +68,19 @@ def main() -> None:
     names = [n for n, _ in me.named_parameters()]
     tape = coexec.GradientTape(arena=False)
 
-    def step_eager() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        loss = loss_e()
+    def step(model, opt, loss_fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One step; the loss and the gradients right after ``backward()``."""
+        loss = loss_fn()
         loss.backward()
-        grads = [p.grad.detach().clone() for p in me.parameters()]
-        oe.step()
-        oe.zero_grad()
-        return loss.detach(), grads
-
-    def step_coexec() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        with tape:
-            loss = loss_c()
-            loss.backward()
-            grads = [p.grad.detach().clone() for p in mc.parameters()]
-            oc.step()
-            oc.zero_grad()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
         return loss.detach(), grads
 
     for i in range(args.steps):
-        le, ge = step_eager()
-        lc, gc = step_coexec()
+        le, ge = step(me, oe, loss_e)
+        with tape:
+            lc, gc = step(mc, oc, loss_c)
         s = tape.stats
         bad_g = [(n, (a.double() - b.double()).abs().max().item()) for n, a, b in zip(names, ge, gc) if not torch.equal(a, b)]
         bad_p = [

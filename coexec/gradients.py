@@ -98,9 +98,9 @@ class GradientBlock:
     leaves: tuple[LeafGrad, ...]
     n_holders: int  # saved tensors held when the backward started
     released: tuple[int, ...]  # which of them the engine let go of
-    # per released one: how many of the block's ops were issued when the engine let go of it
-    # (after the node that read it ran), so a replay lets go of it at the same point
-    release_at: tuple[int, ...] = ()
+    # of those, the ones let go of after ``j`` of the block's ops, for each ``j`` from 0 to
+    # len(ops): where the engine let go of them (after the node that read each), for a replay
+    release_after: tuple[tuple[int, ...], ...] = ()
 
 
 _FREED = (
@@ -535,8 +535,10 @@ class Backwards:
             for leaf, g, f in zip(leaves, before, finals)
         )
         released = tuple(i for i in held if self.saved.holders[i]() is None)
-        release_at = tuple(let_go.get(i, len(block_ops)) for i in released)
-        return GradientBlock(tuple(block_ops), leaf_grads, n_holders, released, release_at)
+        release_after: list[list[int]] = [[] for _ in range(len(block_ops) + 1)]
+        for i in released:
+            release_after[let_go.get(i, len(block_ops))].append(i)
+        return GradientBlock(tuple(block_ops), leaf_grads, n_holders, released, tuple(map(tuple, release_after)))
 
     # -- issuing a block ------------------------------------------------------------------
     def _replay(self, block: GradientBlock, loss: Placeholder) -> bool:
@@ -561,10 +563,8 @@ class Backwards:
         grads = [leaf.grad for leaf in leaves]
         made: dict[int, int] = {}  # block value -> position of the op that made it
         python: dict[int, torch.Tensor] = {}  # value -> the Python tensor holding it (.grad)
-        let_go: dict[int, list[int]] = {}  # ops issued -> the saved tensors let go of then
-        for i, at in zip(block.released, block.release_at):
-            let_go.setdefault(at, []).append(i)
-        self.saved.release(let_go.pop(0, ()))
+        release_after = block.release_after
+        self.saved.release(release_after[0])
         for j, gop in enumerate(block.ops):
             index = len(ops)
             inputs = []
@@ -625,16 +625,14 @@ class Backwards:
                 for s in gop.frees:
                     trace.released[v0 + s] = index + 1
                 session.submit(Free(tuple(base + v0 + s for s in gop.frees)))
-            if j + 1 in let_go:
-                self.saved.release(let_go.pop(j + 1))
+            if release_after[j + 1]:
+                self.saved.release(release_after[j + 1])
         for leaf, lg, g in zip(leaves, block.leaves, grads):
             if g is None:
                 vid = v0 + lg.final
                 ph = session.new_placeholder(values[vid].meta, vid, made[lg.final])
                 sk.vmap[ph] = vid
                 leaf.grad = ph
-        for rest in let_go.values():
-            self.saved.release(rest)
         dead = session.sweep()
         if dead:
             session.submit(Free(dead))

@@ -362,37 +362,34 @@ class _Worker:
         issue order (the order eager ran), the next op in issue order has all its
         predecessors run, and the next op in the plan's order has all of its own."""
         order, block, ran = self.following.order, self.block, self.ran
-        news = self.following.new_bytes
-        memory = self.memory
-
-        def fits(k: int) -> bool:
-            return memory.live + (news[k] if k < len(news) else 0) <= self.bound
-
         while self.cursor < len(order) and self.error is None:
             k = order[self.cursor]
             if k >= len(block):
                 self._stop(_ISSUE)
                 break
-            if not ran[k]:
-                if not fits(k):
-                    return self._stop(_BYTES)
-                if not self._arena_ready(block[k]):
-                    return self._stop(_REGION)
-                self._run_deferred(k)
-                self.ahead[0] += 1
+            if not ran[k] and not self._run_ahead(k):
+                return
             self.cursor += 1
         else:
             return
         while self.issued < len(block) and self.error is None:
-            k = self.issued
-            if not ran[k]:
-                if not fits(k):
-                    return self._stop(_BYTES)
-                if not self._arena_ready(block[k]):
-                    return self._stop(_REGION)
-                self._run_deferred(k)
-                self.ahead[0] += 1
+            if not ran[self.issued] and not self._run_ahead(self.issued):
+                return
             self.issued += 1
+
+    def _run_ahead(self, k: int) -> bool:
+        """Run deferred op ``k`` of the block now if the bytes held stay within the bound and
+        its planned regions are free; else count why not."""
+        news = self.following.new_bytes
+        if self.memory.live + (news[k] if k < len(news) else 0) > self.bound:
+            self._stop(_BYTES)
+            return False
+        if not self._arena_ready(self.block[k]):
+            self._stop(_REGION)
+            return False
+        self._run_deferred(k)
+        self.ahead[0] += 1
+        return True
 
     def _stop(self, reason: int) -> None:
         """Count where running ahead stopped (once per op and reason)."""

@@ -67,6 +67,7 @@ def greedy_order(g: PlanningGraph) -> list[int]:
     ready = [v for v in range(n) if indeg[v] == 0]
     order: list[int] = []
     storages = g.storages
+
     def net(v: int, used: int = -1) -> int:
         """The live bytes op ``v`` adds (``used``: an op run just before it, which has read
         what they share)."""
@@ -89,12 +90,11 @@ def greedy_order(g: PlanningGraph) -> list[int]:
         # an op that changes nothing (an in-place update of optimizer state) goes ahead of the
         # issue order only where it readies an op that frees bytes (a weight update after its
         # gradient): else it would run early for nothing, before the skeleton has issued it
-        rest = [x for x in nets.values() if x > 0]
+        floor = min((x for x in nets.values() if x > 0), default=0)  # the cheapest op that adds
         for v, x in nets.items():
             if x == 0:
-                enabled = [net(w, v) for w in g.succs[v] if indeg[w] == 1]
-                gain = min(enabled, default=0)
-                nets[v] = gain if gain < 0 else min(rest, default=0)
+                gain = min((net(w, v) for w in g.succs[v] if indeg[w] == 1), default=0)
+                nets[v] = gain if gain < 0 else floor
         best = min(ready, key=lambda v: (nets[v], v))
         ready.remove(best)
         order.append(best)

@@ -148,6 +148,8 @@ def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
     free it earlier save more than ``AHEAD_SLACK`` of the peak, or as much with an arena."""
     preps = [_prepared(p) for p in paths]
     ahead = _plan_blocks(preps, settings, Execution(blocks=True, ahead=True))
+    if not any(_held_to_end(pr.g) for pr in preps):  # (the two plans would be the same)
+        return replace(ahead, methods=(*ahead.methods, "blocks: run ahead"))
     launched = _plan_blocks(preps, settings, Execution(blocks=True))
     if launched.arena_bytes and not ahead.arena_bytes and launched.peak >= (1 - STREAM_SLACK) * ahead.peak:
         best = launched  # as little memory, in one arena (fixed addresses, shared across paths)
@@ -157,7 +159,14 @@ def _plan_orders(paths: Sequence[PathInput], settings: Settings) -> Schedule:
     return replace(best, methods=(*best.methods, how))
 
 
-def _plan_blocks(preps: list, settings: Settings, execution: Execution) -> Schedule:
+def _held_to_end(g: PlanningGraph) -> bool:
+    """Does Python hold a storage of the step until it returns (``Execution.ahead`` holds it to
+    the end)?"""
+    n = len(g.ops)
+    return any(s.kind == LOCAL and s.release is not None and s.release >= n for s in g.storages.values())
+
+
+def _plan_blocks(preps: list[_Prepared], settings: Settings, execution: Execution) -> Schedule:
     """Planned twice: with orders that keep to the issue order as long as the peak allows, or
     entirely where reordering saves less than ``STREAM_SLACK`` (the executor runs those ops
     ahead, beside the skeleton), and with the plain greedy orders; the first unless its peak,
