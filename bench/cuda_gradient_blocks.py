@@ -1,15 +1,17 @@
 """Probe: do gradient blocks replay bit-equal to eager on this device? (a GPU question)
 
-    python bench/cuda_gradient_blocks.py [--device cuda] [--steps 6] [--model mlp|gpt2-6l|resnet18]
+    python bench/cuda_gradient_blocks.py [--device cuda] [--steps 6] [--model mlp|gpt2-6l|resnet18] [--node-hook]
 
-On an H200, backwards replayed as gradient blocks on CUDA gave other values than eager (the
-smoke test diverged at the first replayed step), so ``coexec.gradients.BLOCK_DEVICES`` keeps
-them to the CPU. This probe lets them run on ``--device`` and says where values first differ:
-per step, whether a block was replayed, the loss, each parameter's gradient right after
-``backward()`` (fetched inside the step) and each parameter after the optimizer step, against an
-eager copy from the same seed. Run it under ``CUDA_LAUNCH_BLOCKING=1`` and ``COEXEC_NATIVE=0``
-as well (bench/device_check.sh does): a difference that goes away there is a race between
-threads or streams, not a wrong op.
+On an H200, backwards replayed as gradient blocks on CUDA once gave other values than eager
+(``reached_leaves`` lost leaves whose autograd wrappers were re-made at a freed address; fixed,
+and bit-equal on an H100 since). Blocks run on CUDA where ``coexec.gradients.BLOCK_DEVICES``
+allows it (Python 3.12+, where the watch for Python inside the backward sees the engine's
+device thread). Per step: whether a block was replayed, the loss, each parameter's gradient
+right after ``backward()`` (fetched inside the step) and each parameter after the optimizer
+step, against an eager copy from the same seed. ``--node-hook`` registers a hook on the loss's
+autograd node every step: no block may be made and the hook must run every step. Run it under
+``CUDA_LAUNCH_BLOCKING=1`` and ``COEXEC_NATIVE=0`` as well (bench/device_check.sh does): a
+difference that goes away there is a race between threads or streams, not a wrong op.
 """
 
 from __future__ import annotations
@@ -50,13 +52,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--model", default="mlp")
+    ap.add_argument("--node-hook", action="store_true", help="a hook on the loss's autograd node every step: no block may be made, the hook runs every step")  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True, warn_only=True)
-    coexec.gradients.BLOCK_DEVICES = frozenset({"cpu", device.type})
+    print("blocks allowed on", sorted(coexec.gradients.BLOCK_DEVICES), flush=True)
     from executor import native
 
     print(f"torch {torch.__version__}, device {device}, native engine: "
@@ -68,9 +71,14 @@ def main() -> None:
     names = [n for n, _ in me.named_parameters()]
     tape = coexec.GradientTape(arena=False)
 
+    hooks = {"eager": 0, "coexec": 0}
+
     def step(model, opt, loss_fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One step; the loss and the gradients right after ``backward()``."""
         loss = loss_fn()
+        if args.node_hook:
+            who = "coexec" if model is mc else "eager"
+            loss.grad_fn.register_prehook(lambda g: hooks.__setitem__(who, hooks[who] + 1))
         loss.backward()
         grads = [p.grad.detach().clone() for p in model.parameters()]
         opt.step()
@@ -95,6 +103,8 @@ def main() -> None:
         )
     program = getattr(tape, "_program", None)
     print("why no block:", dict(program.gradient_blocks.why_not) if program is not None else "-")
+    if args.node_hook:
+        print(f"node hook runs: eager {hooks['eager']}, coexec {hooks['coexec']} of {args.steps} steps")
 
 
 if __name__ == "__main__":

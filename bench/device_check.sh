@@ -51,6 +51,8 @@ for v in "" "CUDA_LAUNCH_BLOCKING=1" "COEXEC_NATIVE=0"; do
   echo "== gradient blocks on cuda, mlp ${v:-(as is)}"
   env $v $PY bench/cuda_gradient_blocks.py --device cuda --steps 6 2>&1 | tail -8
 done
+echo "== gradient blocks on cuda, mlp with a node hook (no block; the hook runs every step)"
+$PY bench/cuda_gradient_blocks.py --device cuda --steps 6 --node-hook 2>&1 | tail -3
 echo "== gradient blocks on cuda, gpt2-6l"
 $PY bench/cuda_gradient_blocks.py --device cuda --steps 5 --model gpt2-6l 2>&1 | tail -7
 echo "probes done: $(( $(date +%s) - t0 )) s"

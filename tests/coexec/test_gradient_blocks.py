@@ -98,6 +98,34 @@ def test_a_parameter_hook_added_after_a_block_was_made_runs():
     assert why == "the gradients or saved tensors are not as when its block was made"
 
 
+def test_a_hook_on_an_autograd_node_keeps_the_engine_and_runs_every_step():
+    """A node hook is Python the graph does not show (nothing in the step's calls registers a
+    tensor hook): the watch over the engine sees it run, so no block is made."""
+
+    def step(state, i):
+        model, opt = state["model"], state["opt"]
+        x, y = state["data"][i % 3]
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.grad_fn.register_prehook(lambda g: state.__setitem__("hooks", state["hooks"] + 1))
+        loss.backward()
+        opt.step()
+        return loss
+
+    runs = []
+
+    def counted(state, i):
+        loss = step(state, i)
+        runs.append(state["hooks"])
+        return loss
+
+    tape = assert_same_as_eager(make, counted, 6)
+    assert tape.stats.coexec_steps > 0 and tape.stats.gradient_blocks == 0
+    (why,) = tape._program.gradient_blocks.why_not.values()
+    assert why.startswith("Python ran in the backward: <lambda> (") and "test_gradient_blocks.py" in why
+    assert runs == list(range(1, 7)) * 2  # eager's six steps, then coexec's
+
+
 class _Twice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
