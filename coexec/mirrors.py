@@ -10,7 +10,9 @@ parameter and for the executor at every other one. The counter's next value need
 op on data the skeleton can see. So where an op's tensors are all tiny CPU tensors
 (:func:`_mirrorable`) whose values the skeleton knows, it runs the op itself as well, on copies
 (the same kernel on the same data: the same result), and a fetch of a value it knows reads the
-copy instead of waiting. The executor still runs the op on the real tensors.
+copy instead of waiting. The executor still runs the op on the real tensors. Only ops whose values some fetch of the
+graph reads, directly or through other ops (:func:`fetch_feeders`), are mirrored: copying
+the inputs and running the kernel a second time is waste for a value nobody reads.
 
 What the skeleton knows: a tensor from outside the step (a parameter, optimizer state) as it is
 when the step first uses it, if nothing of this step wrote its storage before (no executor work
@@ -36,6 +38,8 @@ _CPU = torch.device("cpu")
 
 # per graph: node id -> may the op be mirrored (its tensors are all tiny CPU tensors)
 _NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# per graph: (traces merged, the op nodes whose outputs Python reads, through other ops)
+_FED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _tiny(meta: Any) -> bool:
@@ -62,6 +66,51 @@ def _mirrorable(by_node: dict[int, bool], node: Any, func: Any) -> bool:
     return ok
 
 
+def fetch_feeders(graph: Any) -> frozenset[int] | None:
+    """Ids of the op nodes whose outputs some fetch of the graph reads, directly or through
+    the ops that read them; None where the walk meets a value it cannot follow (then every
+    tiny op is mirrored). Mirroring an op no fetch reads costs a copy of its inputs and a
+    second kernel call for nothing (200 tiny in-place updates: most of the step)."""
+    cached = _FED.get(graph)
+    if cached is not None and cached[0] == graph.traces:
+        return cached[1]
+    nodes = {n.id: n for n in graph.nodes()}
+    stack: list = []
+    for region in graph.regions():
+        for n in (region.start, *region.nodes):
+            stack.extend(src for _kind, src in n.fetches)
+    seen: set[int] = set()
+    out: frozenset[int] | None = None
+    while stack:
+        src = stack.pop()
+        if src is None or src == ("ext",) or src == ("outer", "ext"):
+            continue
+        if src[0] == "node" or src[0] == "outer":
+            nid = src[1]
+        elif src[0] == "loop":
+            nid = src[2]
+        elif src[0] == "back":
+            nid = src[3]
+        else:  # ("enter",) at a fetch: where from is not recorded there
+            break
+        if nid in seen:
+            continue
+        node = nodes.get(nid)
+        if node is None:
+            break
+        seen.add(nid)
+        for i, alts in enumerate(node.sources):
+            for a in alts:
+                if a == ("enter",):
+                    stack.extend(node.enter_sources.get(i, ((None,),)))
+                else:
+                    stack.append(a)
+    else:
+        out = frozenset(seen)
+    _FED[graph] = (graph.traces, out)
+    return out
+
+
 class Mirrors:
     """The values of one co-executed step that the skeleton knows (by trace value id)."""
 
@@ -70,6 +119,7 @@ class Mirrors:
         if by_node is None:
             by_node = _NODES[graph] = {}
         self._nodes: dict[int, bool] = by_node  # node id -> may its op be mirrored
+        self._fed = fetch_feeders(graph)  # the nodes worth mirroring (None: all)
         # the op issued last, if it may be mirrored and all its inputs are known: the one
         # :meth:`mirror` runs (callers check it first, to build nothing for the others)
         self.ready: OpRecord | None = None
@@ -90,7 +140,8 @@ class Mirrors:
         if self._pending is not None:
             self._settle()
         self.ready = None
-        if _mirrorable(self._nodes, node, rec.key.func):
+        fed = self._fed
+        if (fed is None or node.id in fed) and _mirrorable(self._nodes, node, rec.key.func):
             values = self.values
             for vid in rec.inputs:
                 if vid not in values and self._external(vid) is None:

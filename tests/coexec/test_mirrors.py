@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import coexec
 from tests.coexec.helpers import assert_same_as_eager, train_step
 
 
@@ -89,3 +90,36 @@ def test_a_view_of_a_written_tensor_is_not_answered_from_a_copy():
     assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0
     assert tape.stats.last_phase == "coexec"
     assert tape.stats.mirrored_fetches == 0
+
+
+def make_averaged():
+    state = make_counted()
+    state["ema"], state["target"] = torch.zeros(4), torch.randn(4)
+    return state
+
+
+def averaged_step(state: dict, i: int) -> torch.Tensor:
+    """:func:`counted_step` and a tiny running average of tiny tensors nobody reads."""
+    with torch.no_grad():
+        state["ema"].mul_(0.9).add_(state["target"], alpha=0.1)
+    return counted_step(state, i)
+
+
+def test_only_ops_whose_values_python_reads_are_mirrored(monkeypatch):
+    """The running average's ops could be mirrored (tiny CPU tensors the skeleton knows), but
+    Python never reads them: only the counter's two ops, which ``count.item()`` reads, run on
+    the skeleton's copies (a copy of each input and a second kernel call per op, for nothing,
+    made 200 tiny in-place updates twice as slow: bench/skeleton_floor.py)."""
+    import coexec.mirrors
+
+    runs: list = []
+    real = coexec.mirrors.Mirrors.mirror
+
+    def counted(self, rec, *args, **kwargs):
+        runs.append(str(rec.key.func))
+        return real(self, rec, *args, **kwargs)
+
+    monkeypatch.setattr(coexec.mirrors.Mirrors, "mirror", counted)
+    tape = assert_same_as_eager(make_averaged, averaged_step, 6)
+    assert tape.stats.last_phase == "coexec" and tape.stats.mirrored_fetches == 1
+    assert runs[-2:] == ["aten.add_.Tensor", "aten.mul_.Tensor"] and len(runs) == 2 * tape.stats.coexec_steps
