@@ -226,6 +226,10 @@ def hashable(v: Any) -> Any:
         return v
     if isinstance(v, torch.Generator):
         return ("generator", str(v.device))
+    if isinstance(v, (torch.UntypedStorage, torch.TypedStorage)):
+        # by size, as a tensor by its metadata: each call makes a new Python object for the
+        # same storage, and one does not pickle back (the planning process failed on it)
+        return ("storage", v.device, v.nbytes())
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return hashable(v.node.pytype(v))  # pragma: no cover - no symbolic values in eager
     try:

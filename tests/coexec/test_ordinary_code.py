@@ -232,3 +232,26 @@ def test_an_op_failing_outside_any_try_still_fails_the_step():
     with tape:
         loss = s.emb(torch.tensor([1, 2])).sum()
     assert torch.isfinite(loss).item()
+
+
+def test_set_to_a_storage_falls_back_and_planning_goes_on(recwarn):
+    """``t.set_(storage)`` (cuDNN's LSTM does it for its flat weight buffer on a GPU): the
+    op's key holds the storage by size, so steps match one another, and the path pickles for
+    the planning process (an ``UntypedStorage`` does not load back: the process died, and
+    every later plan was made in the user's process)."""
+
+    def make():
+        state = make_linear()
+        state.src, state.buf = torch.randn(8), torch.empty(0)
+        return state
+
+    def step(s, i, out):
+        with torch.no_grad():
+            s.buf.set_(s.src.untyped_storage())
+        h, loss = linear_step(s, i)
+        out.append((loss * s.buf.sum()).item())
+
+    tape = assert_as_eager(make, step)
+    coexec.wait_for_plans()
+    assert tape.stats.traces <= 3
+    assert not [w for w in recwarn if "planning process failed" in str(w.message)]
