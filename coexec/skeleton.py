@@ -426,6 +426,8 @@ class Skeleton(Recorder):
         if schema_of(func).inplace_view:
             # eager changes the tensor's metadata right now; a deferred op cannot
             self.fall_back(f"{func} changes a tensor's metadata in place")
+            if _repoints_inside_a_call(func, args, self.call_func, session):
+                return _repoint(func, args, kwargs)
             return super().execute(rec, func, args, kwargs, tensors)
         try:
             node = self.cursor.op(rec, lambda: self.output_metas(func, args, kwargs))
@@ -754,6 +756,33 @@ class Skeleton(Recorder):
 
 # fetches that only read the values (a view of the data, a copy Python keeps, waits as before)
 _MIRRORED_FETCHES = frozenset({"item", "bool", "float", "int", "index", "tolist", "repr", "format", "tensor"})
+
+
+def _repoints_inside_a_call(func: Any, args: tuple, call: Any, session: Any) -> bool:
+    """Is ``func`` a ``set_`` of a placeholder of this step onto a real storage, made inside
+    a torch-level call other than ``set_`` itself? (cuDNN's LSTM makes its flat weight buffer
+    as ``at::empty({0}).set_(storage)`` inside ``torch._VF.lstm``.)"""
+    return (
+        func.overloadpacket is torch.ops.aten.set_
+        and "Storage" in func._overloadname
+        and bool(args)
+        and isinstance(args[0], Placeholder)
+        and args[0]._session is session
+        and call is not None
+        and getattr(call, "__name__", None) != "set_"
+        and len(args) > 1
+        and args[1].data_ptr() != 0  # a real storage (not a placeholder's)
+    )
+
+
+def _repoint(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    """Run such a ``set_`` on the placeholder's real tensor (the step has fallen back). The
+    placeholder keeps its metadata: the call that made it sees it as it was (cuDNN's LSTM: an
+    empty buffer, so it copies the weights into one of its own, with the same values), and
+    what reads its values reads the real, re-pointed tensor."""
+    ph = args[0]
+    func(ph.real(), *args[1:], **kwargs)
+    return ph, (0,)
 
 
 def raise_executor_error(err: ExecutorError) -> None:

@@ -111,6 +111,7 @@ class Recorder:
         self.externals: dict[int, torch.Tensor] = {}
         self.n_storages = 0
         self.call_loc: Location | None = None  # location of the current torch-level call
+        self.call_func: Any = None  # and its function
         self.sub = 0
         self.suppress = 0
         self.seq_op: dict[int, int] = {}  # autograd sequence nr -> forward op index
@@ -191,15 +192,15 @@ class Recorder:
     def call(self, func: Any, args: tuple, kwargs: dict, loc: Location) -> Any:
         """Run a torch-level call (not a fetch) made at ``loc``; its ATen ops are recorded
         (the calls in :attr:`special` go to their handler instead)."""
-        saved = self.call_loc, self.sub
-        self.call_loc, self.sub = loc, 0
+        saved = self.call_loc, self.sub, self.call_func
+        self.call_loc, self.sub, self.call_func = loc, 0, func
         try:
             if self.skip_subclass_torch_function:
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
         finally:
-            self.call_loc, self.sub = saved
+            self.call_loc, self.sub, self.call_func = saved
 
     def unrecorded(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` with its ops not recorded."""

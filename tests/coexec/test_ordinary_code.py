@@ -255,3 +255,44 @@ def test_set_to_a_storage_falls_back_and_planning_goes_on(recwarn):
     coexec.wait_for_plans()
     assert tape.stats.traces <= 3
     assert not [w for w in recwarn if "planning process failed" in str(w.message)]
+
+
+_LIB = torch.library.Library("coexec_test_flat", "DEF")
+_LIB.define("weighted_sum(Tensor x, Tensor w) -> Tensor")
+
+
+def _weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """As cuDNN's LSTM does with its weights (``try_get_weight_buf``): an empty tensor set to
+    the weights' storage, used as a flat buffer if it is large enough, else the weights."""
+    buf = torch.empty(0, dtype=w.dtype, device=w.device).set_(w.untyped_storage())
+    if buf.numel() >= w.numel():
+        return (x * buf[: w.numel()].view_as(w)).sum()
+    return (x * w).sum()
+
+
+_LIB.impl("weighted_sum", _weighted_sum, "CompositeImplicitAutograd")
+
+
+def test_a_call_that_sets_an_empty_tensor_of_the_step_to_a_storage_runs_as_eager():
+    """Inside a torch-level call (a composite op), ``set_`` of an empty tensor the step made,
+    onto a storage: the step falls back there, the real tensor is set, and the call, which
+    sees the tensor still empty, takes its other way to the same values (cuDNN's LSTM on a GPU
+    raised ``CoexecError`` here)."""
+
+    def make():
+        state = make_linear()
+        state.w = torch.randn(8, 3)  # (cuDNN: the weights, whose storage is real)
+        return state
+
+    def step(s, i, out):
+        s.opt.zero_grad()
+        torch.manual_seed(100 + i)
+        x = s.lin(torch.randn(8, 4))
+        loss = torch.ops.coexec_test_flat.weighted_sum(x.tanh(), s.w)
+        loss.backward()
+        s.opt.step()
+        out.append(loss.item())
+
+    tape = assert_as_eager(make, step)
+    assert tape.stats.fallbacks >= 1
+    assert any("set_" in r for r in tape.stats.fallback_reasons)
