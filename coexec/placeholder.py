@@ -161,3 +161,20 @@ _SPECIAL = {
     torch.Tensor.__reduce_ex__: _reduce_ex,
     torch.Tensor.__deepcopy__: _deepcopy,
 }
+
+
+# ``nn.Parameter(t)`` of a tensor of the step (``copy.deepcopy(model)`` makes one of each
+# parameter's ``data.clone()``): a parameter is a new leaf over the value, so it is made of the
+# real tensor (Python waits for it), as eager makes it of a plain tensor. Without this,
+# ``Parameter`` takes its path for tensor subclasses, whose ``detach()`` is an op eager never
+# ran there: the step fell back at it, and the parameter came out a plain tensor, an error.
+_PARAMETER_NEW = torch.nn.Parameter.__new__
+
+
+def _parameter_new(cls: type, data: Any = None, requires_grad: bool = True) -> torch.Tensor:
+    if isinstance(data, Placeholder):
+        data = data.real()
+    return _PARAMETER_NEW(cls, data, requires_grad)
+
+
+torch.nn.Parameter.__new__ = staticmethod(_parameter_new)

@@ -296,3 +296,28 @@ def test_a_call_that_sets_an_empty_tensor_of_the_step_to_a_storage_runs_as_eager
     tape = assert_as_eager(make, step)
     assert tape.stats.fallbacks >= 1
     assert any("set_" in r for r in tape.stats.fallback_reasons)
+
+
+def test_deepcopy_of_a_model_inside_the_step_makes_parameters_as_eager():
+    """``copy.deepcopy(model)`` in a co-executed step (an EMA model, a snapshot of the best
+    one): each copied parameter is ``nn.Parameter(p.data.clone())`` of a tensor of the step.
+    Once the step co-executed past the copy, ``Parameter`` raised (its path for tensor
+    subclasses ran a ``detach`` eager never ran, and the step fell back there)."""
+
+    def make():
+        state = make_linear()
+        state.ema = copy.deepcopy(state.lin)
+        return state
+
+    def step(s, i, out):
+        h, loss = linear_step(s, i)
+        snapshot = copy.deepcopy(s.lin)
+        with torch.no_grad():
+            for pe, p in zip(s.ema.parameters(), snapshot.parameters()):
+                pe.mul_(0.9).add_(p, alpha=0.1)
+        assert all(type(p) is nn.Parameter for p in snapshot.parameters())
+        out.append([p.detach().clone() for p in snapshot.parameters()])
+        out.append(loss.item())
+
+    tape = assert_as_eager(make, step)
+    assert tape.stats.coexec_steps >= 3 and tape.stats.fallbacks == 0
