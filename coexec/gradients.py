@@ -186,7 +186,7 @@ class SavedTensors:
                 alias = session.alias(t)
             else:
                 alias = Placeholder(TensorMeta.of(t), None, t._vid)
-                alias._real = t.real()
+                alias._real = t.real_tensor()
             h = _Saved(alias, weakref.ref(t), t._version)
         elif t.grad_fn is not None:  # (not the tensor itself: a saved output would hold its node)
             d = self.suppress(t.detach)
@@ -632,7 +632,7 @@ class Backwards:
                         refs.append((arg, item, base + vid))
                         continue
                     t = sk.externals[ext]
-                put(args, kwargs, copied, arg, item, t.real() if isinstance(t, Placeholder) else t)
+                put(args, kwargs, copied, arg, item, t.real_tensor() if isinstance(t, Placeholder) else t)
             first = len(values)
             moves = tuple((base + inputs[p], base + first + k) for p, k in gop.moves if gop.by_ref[p])
             clean = not gop.moves and gop.n_returned > 0

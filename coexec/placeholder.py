@@ -54,12 +54,16 @@ class Placeholder(torch.Tensor):
             layout=meta.layout,
             requires_grad=False,  # autograd sets it above the dispatcher, as for any op output
         )
+        if meta.bits & 1:
+            torch._C._set_conj(t, True)
+        if meta.bits & 2:
+            torch._C._set_neg(t, True)
         t._session = session
         t._vid = vid
         t._real = None
         return t
 
-    def real(self) -> torch.Tensor:
+    def real_tensor(self) -> torch.Tensor:
         """The real tensor, waiting for the executor to produce it if needed."""
         r = self._real
         if r is None:
@@ -89,7 +93,7 @@ class Placeholder(torch.Tensor):
         if func is torch.Tensor.__format__:
             self, spec = args[0], args[1]
             if self.dim() == 0:
-                return self.real().detach().item().__format__(spec)
+                return self.real_tensor().detach().item().__format__(spec)
             return object.__format__(self, spec)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -101,7 +105,7 @@ Placeholder.__name__ = "tensor"
 
 
 def _unwrap(x: Any) -> Any:
-    return x.real() if isinstance(x, Placeholder) else x
+    return x.real_tensor() if isinstance(x, Placeholder) else x
 
 
 def _unwrap_all(x: Any) -> Any:
@@ -109,7 +113,7 @@ def _unwrap_all(x: Any) -> Any:
     Not ``torch.utils._pytree.tree_map``: its recursive closure is a reference cycle per call,
     left to the garbage collector."""
     if isinstance(x, Placeholder):
-        return x.real()
+        return x.real_tensor()
     if type(x) in (tuple, list):
         return type(x)(_unwrap_all(y) for y in x)
     if type(x) is dict:
@@ -120,7 +124,7 @@ def _unwrap_all(x: Any) -> Any:
 def _plain(ph: Placeholder) -> torch.Tensor:
     """The value as an ordinary tensor that says what the placeholder says about gradients
     (the executor's values never require grad: it runs below autograd)."""
-    t = ph.real().detach()
+    t = ph.real_tensor().detach()
     return t.requires_grad_() if ph.requires_grad and not t.requires_grad else t
 
 
@@ -128,7 +132,7 @@ def _repr(ph: Placeholder, *, tensor_contents: str | None = None) -> str:
     """``repr`` as eager prints the tensor: the values from the real tensor, the suffixes
     (``grad_fn=...``, ``requires_grad=True``) from the placeholder, which autograd ran on."""
     if tensor_contents is None:
-        real = ph.real()
+        real = ph.real_tensor()
         if real.numel() and real.layout == torch.strided:
             with torch.no_grad(), torch.utils._python_dispatch._disable_current_modes():
                 tensor_contents = torch._tensor_str._tensor_str(real.detach(), _REPR_INDENT)
@@ -149,7 +153,7 @@ def _deepcopy(ph: Placeholder, memo: dict) -> torch.Tensor:
             torch.Tensor.__deepcopy__(ph, memo)  # raises "Only Tensors created explicitly..."
     # the real tensor, not a temporary: deepcopy's memo is keyed by id(), and a temporary's
     # id is reused by the next one (two placeholders would get the same copy)
-    new = copy.deepcopy(ph.real(), memo)
+    new = copy.deepcopy(ph.real_tensor(), memo)
     if ph.requires_grad and not new.requires_grad:
         new.requires_grad_()
     memo[id(ph)] = new
@@ -173,7 +177,7 @@ _PARAMETER_NEW = torch.nn.Parameter.__new__
 
 def _parameter_new(cls: type, data: Any = None, requires_grad: bool = True) -> torch.Tensor:
     if isinstance(data, Placeholder):
-        data = data.real()
+        data = data.real_tensor()
     return _PARAMETER_NEW(cls, data, requires_grad)
 
 

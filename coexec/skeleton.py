@@ -186,7 +186,7 @@ class Session:
             if t._session is self and t._real is None:
                 refs.append((arg, item, self.base + t._vid))
                 return None
-            return t.real()
+            return t.real_tensor()
         return t
 
     def enter(self, site: Site) -> bool:
@@ -713,7 +713,7 @@ class Skeleton(Recorder):
             # a real tensor, or a writable view of the data: everything issued must be done
             self.sync()
             if isinstance(t, Placeholder):
-                t.real()
+                t.real_tensor()
                 self.suppress += 1  # our copy is not the program's op
                 try:
                     session.copy_out(t)  # Python may keep the view: not into the arena
@@ -722,7 +722,7 @@ class Skeleton(Recorder):
         return None
 
     def fetched(self, t: torch.Tensor) -> torch.Tensor:
-        return t.real() if isinstance(t, Placeholder) else t
+        return t.real_tensor() if isinstance(t, Placeholder) else t
 
     # -- control --------------------------------------------------------------------------
     def sync(self) -> None:
@@ -781,7 +781,7 @@ def _repoint(func: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
     empty buffer, so it copies the weights into one of its own, with the same values), and
     what reads its values reads the real, re-pointed tensor."""
     ph = args[0]
-    func(ph.real(), *args[1:], **kwargs)
+    func(ph.real_tensor(), *args[1:], **kwargs)
     return ph, (0,)
 
 

@@ -63,6 +63,9 @@ class TensorMeta(NamedTuple):
     layout: torch.layout
     stride: tuple[int, ...] | None
     requires_grad: bool
+    # a lazy conjugate (1) or negation (2) view: dispatch resolves it before most ops, so a
+    # stand-in without the bit runs other ops than eager (``z * z.conj()`` gave z * z)
+    bits: int = 0
 
     @staticmethod
     def of(t: torch.Tensor) -> "TensorMeta":
@@ -71,7 +74,8 @@ class TensorMeta(NamedTuple):
         0.7 s (see :data:`_METAS`)."""
         layout = t.layout
         stride = t.stride() if layout is _STRIDED else None
-        meta = _tuple_new(TensorMeta, (t.shape, t.dtype, t.device, layout, stride, t.requires_grad))
+        bits = t.is_conj() | (t.is_neg() << 1)
+        meta = _tuple_new(TensorMeta, (t.shape, t.dtype, t.device, layout, stride, t.requires_grad, bits))
         found = _METAS.get(meta)
         if found is None:
             if len(_METAS) >= _METAS_MAX:  # sizes that vary without end: start again

@@ -69,7 +69,7 @@ def to_columns(trace: Trace) -> TraceColumns:
         (k.func._schema.name, k.func._overloadname, k.attrs, _indices(k.metas, metas), k.loc) for k in keys
     )  # fmt: skip
     meta_rows = tuple(
-        (tuple(m.shape), m.dtype, m.device, m.layout, m.stride, m.requires_grad) for m in metas
+        (tuple(m.shape), m.dtype, m.device, m.layout, m.stride, m.requires_grad, m.bits) for m in metas
     )  # fmt: skip
     return TraceColumns(
         metas=meta_rows,

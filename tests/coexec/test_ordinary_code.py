@@ -321,3 +321,23 @@ def test_deepcopy_of_a_model_inside_the_step_makes_parameters_as_eager():
 
     tape = assert_as_eager(make, step)
     assert tape.stats.coexec_steps >= 3 and tape.stats.fallbacks == 0
+
+
+def test_lazy_conjugate_and_negative_views_compute_as_eager():
+    """``z.conj()`` is a view with the conjugate bit, ``z.conj().imag`` one with the negative
+    bit; dispatch resolves them before an op reads them. Placeholders did not carry the bits,
+    so ``z * z.conj()`` computed z * z once the step co-executed (a loss off by 2, silently),
+    and ``.real`` of a placeholder was its own method of that name."""
+
+    def step(s, i, out):
+        s.opt.zero_grad()
+        torch.manual_seed(100 + i)
+        h = s.lin(torch.randn(8, 4))
+        z = torch.complex(h, torch.ones_like(h))
+        loss = (z * z.conj()).real.mean() + (z.conj().imag * h).mean()
+        loss.backward()
+        s.opt.step()
+        out.append(loss.item())
+
+    tape = assert_as_eager(make_linear, step)
+    assert tape.stats.coexec_steps >= 3 and tape.stats.fallbacks == 0
