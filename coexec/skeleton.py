@@ -362,6 +362,10 @@ class Skeleton(Recorder):
     def call(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
         """A torch-level call: issued from its template where one fits (coexec/calls.py), else
         through the dispatcher (and a template made of it where it can be)."""
+        if func in _READS_BATCH_SIZES:
+            args = tuple(self._with_data(a) for a in args)
+        if func in _FILLS_NEW_TENSORS and not self.eager:
+            self.fall_back(f"{getattr(func, '__name__', func)} fills the tensors it makes in C++")
         if self.eager or func in TEMPLATES.plain:
             return super().call(func, args, kwargs, loc)
         # (placeholders' metadata read as a plain tensor's, not through __torch_function__)
@@ -395,6 +399,16 @@ class Skeleton(Recorder):
             TEMPLATES.plain.add(func)  # a Python value without an op (``dim``, ``shape``)
         TEMPLATES.learn(sig, made)
         return out
+
+    def _with_data(self, x: Any) -> Any:
+        """``x``, or for a placeholder of integers (a packed sequence's ``batch_sizes``) its
+        real tensor, standing for the same value: the call reads its data in C++, which a
+        placeholder has not (waits for the executor to compute it, as a fetch)."""
+        if isinstance(x, Placeholder) and not x.is_floating_point() and not x.is_complex():
+            real = x.real_tensor()
+            self.same_value(real, x)
+            return real
+        return x
 
     def _templatable(self, kwargs: dict, loc: Any) -> bool:
         """Could a call here be issued from a template? Not if autograd, autocast, inference
@@ -483,14 +497,14 @@ class Skeleton(Recorder):
         out: list[Any] = []
         j = 0
         for (kind, _), shape in zip(plan, struct):
-            if kind == "w" or shape == 1:
-                out.append(made[j])
-                j += 1
-            elif shape is None:
+            if shape is None:
                 out.append(None)
-            else:
+            elif kind == "tl":  # (a list of one tensor has the shape of a tensor: 1)
                 out.append(made[j : j + shape])
                 j += shape
+            else:
+                out.append(made[j])
+                j += 1
         if not plan:
             return None, ()
         return (out[0] if len(plan) == 1 else tuple(out)), node.out_alias[:n_ret]
@@ -756,6 +770,15 @@ class Skeleton(Recorder):
 
 # fetches that only read the values (a view of the data, a copy Python keeps, waits as before)
 _MIRRORED_FETCHES = frozenset({"item", "bool", "float", "int", "index", "tolist", "repr", "format", "tensor"})
+
+
+# torch-level calls whose C++ reads a packed sequence's batch sizes from the tensor's data
+_READS_BATCH_SIZES = frozenset({
+    torch._VF.gru, torch._VF.lstm, torch._VF.rnn_tanh, torch._VF.rnn_relu, torch._VF._pad_packed_sequence,
+})  # fmt: skip
+# torch-level calls whose C++ writes into a tensor it made through its data pointer
+# (``at::tensor(std::vector)``): a placeholder has no data, so the step runs them eagerly
+_FILLS_NEW_TENSORS = frozenset({torch._VF._pad_packed_sequence})
 
 
 def _repoints_inside_a_call(func: Any, args: tuple, call: Any, session: Any) -> bool:

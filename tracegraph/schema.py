@@ -47,6 +47,11 @@ FED = _Marker("FED")  # a value promoted to a fed input
 
 # Ops that mutate an argument their schema does not mark as written: (positions, condition).
 # native_batch_norm updates running_mean/running_var in place when training=True.
+# ops whose output shape depends on the values of a CPU tensor argument (a packed sequence's
+# lengths or batch sizes) without the dynamic_output_shape tag: with other lengths the graph's
+# shapes were taken for this step's (a GRU over a packed sequence sliced past the data's end)
+_SHAPE_FROM_CPU_DATA = frozenset({"aten::_pack_padded_sequence", "aten::_pad_packed_sequence"})
+
 _UNDECLARED_WRITES: dict[str, tuple[int, ...]] = {
     "aten::native_batch_norm": (3, 4),
     "aten::cudnn_batch_norm": (3, 4),
@@ -209,7 +214,7 @@ def _build(func: torch._ops.OpOverload) -> OpSchema:
         writes=tuple(sorted(writes)),
         random=torch.Tag.nondeterministic_seeded in tags,
         data_dependent=torch.Tag.data_dependent_output in tags,
-        dynamic_shape=torch.Tag.dynamic_output_shape in tags,
+        dynamic_shape=torch.Tag.dynamic_output_shape in tags or sch.name in _SHAPE_FROM_CPU_DATA,
         inplace_view=torch.Tag.inplace_view in tags,
     )
 

@@ -341,3 +341,42 @@ def test_lazy_conjugate_and_negative_views_compute_as_eager():
 
     tape = assert_as_eager(make_linear, step)
     assert tape.stats.coexec_steps >= 3 and tape.stats.fallbacks == 0
+
+
+def make_gru():
+    torch.manual_seed(0)
+    gru, head = nn.GRU(4, 5, batch_first=True), nn.Linear(5, 2)
+    opt = torch.optim.SGD([*gru.parameters(), *head.parameters()], lr=0.1)
+    lengths = [torch.tensor(v) for v in ([6, 4, 3], [5, 5, 2], [6, 2, 1])]
+    return SimpleNamespace(gru=gru, head=head, opt=opt, lengths=lengths)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_a_gru_over_a_packed_sequence_runs_as_eager(pad):
+    """``pack_padded_sequence`` makes its ``batch_sizes`` in the step, and the GRU's C++ reads
+    them from the tensor's data (a placeholder has none: it raised); the lengths decide the
+    packed data's shape, so that op's result is waited for; ``pad_packed_sequence`` fills
+    the lengths it returns through a C++ pointer, so the step falls back there."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    def step(s, i, out):
+        torch.manual_seed(100 + i)
+        x = torch.randn(3, 6, 4)
+        packed = pack_padded_sequence(x, s.lengths[i % 3], batch_first=True, enforce_sorted=False)
+        seq, h = s.gru(packed)
+        feat = h[0]
+        if pad:
+            padded, lens = pad_packed_sequence(seq, batch_first=True)
+            feat = feat + padded.sum(1) / lens[:, None]
+        loss = s.head(feat).pow(2).mean()
+        s.opt.zero_grad()
+        loss.backward()
+        s.opt.step()
+        out.append(loss.item())
+
+    tape = assert_as_eager(make_gru, step, steps=9)
+    if pad:
+        assert tape.stats.fallbacks >= 3
+        assert "_pad_packed_sequence fills the tensors it makes in C++" in tape.stats.fallback_reasons[-1]
+    else:
+        assert tape.stats.coexec_steps >= 3 and tape.stats.fallbacks == 0
