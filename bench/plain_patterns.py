@@ -37,6 +37,22 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_se
 import coexec
 
 
+def update(opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
+    """The usual end of a step: zero the gradients, backward, step; the loss's value."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def kept(store: dict, make):
+    """What a pattern keeps across steps (a scheduler, an EMA model), made at its first step
+    (``store`` is emptied between the eager and the coexec run)."""
+    if "it" not in store:
+        store["it"] = make()
+    return store["it"]
+
+
 # -- an MLP with dropout and AdamW --
 def a_make(seed=0):
     torch.manual_seed(seed)
@@ -61,36 +77,27 @@ def pa_clip(m, opt, i):
 def pa_autocast(m, opt, i):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pa_numpy(m, opt, i):
     out = m(a_X[i % 3])
     loss = F.cross_entropy(out, a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     return float(out.detach().numpy().sum()) + sum(out.argmax(1).tolist())
 
 
 def pa_sched(m, opt, i, _s={}):
-    s = _s.setdefault(id(opt), torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
+    s = kept(_s, lambda: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
     loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     s.step()
     return loss.item()
 
 
 def pa_eval(m, opt, i):
     loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     m.eval()
     with torch.no_grad():
         acc = (m(a_X[(i + 1) % 3]).argmax(1) == a_Y[(i + 1) % 3]).float().mean()
@@ -114,14 +121,11 @@ def pa_ckpt(m, opt, i):
 
     h = checkpoint(m[0], a_X[i % 3], use_reentrant=False)
     loss = F.cross_entropy(m[3](m[2](m[1](h))), a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pa_scaler(m, opt, i, _s={}):
-    sc = _s.setdefault(id(opt), torch.amp.GradScaler("cpu", init_scale=1024.0))
+    sc = kept(_s, lambda: torch.amp.GradScaler("cpu", init_scale=1024.0))
     loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3])
     opt.zero_grad()
     sc.scale(loss).backward()
@@ -131,13 +135,12 @@ def pa_scaler(m, opt, i, _s={}):
 
 
 def pa_deepcopy_ema(m, opt, i, _s={}):
-    ema = _s.setdefault(id(opt), copy.deepcopy(m))
+    ema = kept(_s, lambda: copy.deepcopy(m))
     loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
+    snapshot = copy.deepcopy(m)  # each step too (the best model so far, say)
     with torch.no_grad():
-        for pe, p in zip(ema.parameters(), m.parameters()):
+        for pe, p in zip(ema.parameters(), snapshot.parameters()):
             pe.mul_(0.9).add_(p, alpha=0.1)
     return loss.item()
 
@@ -146,17 +149,12 @@ def pa_multinomial(m, opt, i):
     out = m(a_X[i % 3])
     a = torch.multinomial(out.softmax(-1), 1).squeeze(1)
     loss = F.cross_entropy(out, a)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pa_inplace_param(m, opt, i):
     loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     with torch.no_grad():
         m[0].weight.clamp_(-0.5, 0.5)
     return loss.item()
@@ -164,9 +162,7 @@ def pa_inplace_param(m, opt, i):
 
 def pa_state_dict(m, opt, i):
     loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     sd = m.state_dict()
     buf = io.BytesIO()
     torch.save({"m": sd, "o": opt.state_dict()}, buf)
@@ -175,10 +171,7 @@ def pa_state_dict(m, opt, i):
 
 def pa_wnorm(m, opt, i, _s={}):
     loss = F.cross_entropy(m(a_X[i % 3]), a_Y[i % 3]) + 1e-3 * sum(p.norm() for p in m.parameters())
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pa_grad_print(m, opt, i):
@@ -220,9 +213,7 @@ def b_base(m, i):
 
 def pb_buffer_update(m, opt, i):
     loss = b_base(m, i)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     m.count += 1
     return loss.item() + m.count.item()
 
@@ -231,17 +222,12 @@ def pb_nan_check(m, opt, i):
     loss = b_base(m, i)
     if torch.isnan(loss):
         return 0.0
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_math(m, opt, i):
     loss = b_base(m, i)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     return math.exp(loss.item()) + float(loss)
 
 
@@ -263,11 +249,9 @@ def pb_zero_grad_none_false(m, opt, i):
 
 
 def pb_torch_no_grad_metrics(m, opt, i, _h={}):
-    _hist = _h.setdefault(id(m), [])
+    _hist = kept(_h, list)
     loss = b_base(m, i)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     with torch.no_grad():
         _hist.append(loss.detach())
         avg = torch.stack(_hist[-3:]).mean()
@@ -278,19 +262,13 @@ def pb_param_groups_lr(m, opt, i):
     for g in opt.param_groups:
         g["lr"] = 1e-2 * (0.9**i)
     loss = b_base(m, i)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_requires_grad_toggle(m, opt, i):
     m.emb.weight.requires_grad_(i % 2 == 0)
     loss = b_base(m, i)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_loss_dict(m, opt, i):
@@ -307,19 +285,14 @@ def pb_one_hot(m, opt, i):
     out = m(b_X[i % 3])
     t = F.one_hot(b_Y[i % 3], 4).float()
     loss = F.binary_cross_entropy_with_logits(out, t)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_topk_index(m, opt, i):
     out = m(b_X[i % 3])
     v, idx = out.topk(2, dim=1)
     loss = v.sum() + out[torch.arange(5), b_Y[i % 3]].sum()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     return loss.item() + idx.sum().item()
 
 
@@ -327,9 +300,7 @@ def pb_where_mask(m, opt, i):
     out = m(b_X[i % 3])
     mask = out > 0
     loss = torch.where(mask, out, out * 0.1).sum()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    update(opt, loss)
     return loss.item() + mask.sum().item()
 
 
@@ -338,41 +309,31 @@ def pb_inplace_act(m, opt, i):
     h = F.relu(h, inplace=True) if False else F.relu(h)
     out = m.fc(h)
     loss = F.cross_entropy(out, b_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_sgd_nesterov_wd(m, opt, i, _o={}):
-    o = _o.setdefault(
-        id(m),
-        torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    o = kept(
+        _o,
+        lambda: torch.optim.SGD(
+            m.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4
+        ),
     )
     loss = b_base(m, i)
-    o.zero_grad()
-    loss.backward()
-    o.step()
-    return loss.item()
+    return update(o, loss)
 
 
 def pb_rmsprop(m, opt, i, _o={}):
-    o = _o.setdefault(id(m), torch.optim.RMSprop(m.parameters(), lr=0.01))
+    o = kept(_o, lambda: torch.optim.RMSprop(m.parameters(), lr=0.01))
     loss = b_base(m, i)
-    o.zero_grad()
-    loss.backward()
-    o.step()
-    return loss.item()
+    return update(o, loss)
 
 
 def pb_generator(m, opt, i):
     g = torch.Generator().manual_seed(i)
     noise = torch.randn(5, 4, generator=g)
     loss = (m(b_X[i % 3]) + noise).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 class Sq(torch.autograd.Function):
@@ -389,30 +350,21 @@ class Sq(torch.autograd.Function):
 
 def pb_custom_fn(m, opt, i):
     loss = Sq.apply(m(b_X[i % 3])).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_module_hook(m, opt, i, _h={}):
     if id(m) not in _h:
         _h[id(m)] = m.fc.register_full_backward_hook(lambda mod, gi, go: None)
     loss = b_base(m, i)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_tensor_hook_clip(m, opt, i):
     out = m(b_X[i % 3])
     out.register_hook(lambda g: g.clamp(-0.1, 0.1))
     loss = F.cross_entropy(out, b_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_distributions(m, opt, i):
@@ -420,10 +372,7 @@ def pb_distributions(m, opt, i):
     d = torch.distributions.Categorical(logits=logits)
     a = d.sample()
     loss = -(d.log_prob(a) * 0.5).mean() - 0.01 * d.entropy().mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_autograd_grad_penalty(m, opt, i):
@@ -431,10 +380,7 @@ def pb_autograd_grad_penalty(m, opt, i):
     out = m.fc(e)
     (g,) = torch.autograd.grad(out.sum(), e, create_graph=True)
     loss = F.cross_entropy(out, b_Y[i % 3]) + 0.1 * g.pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_retain_graph(m, opt, i):
@@ -455,24 +401,21 @@ def pb_reentrant_ckpt(m, opt, i):
     h = checkpoint(m.ln, e, use_reentrant=True)
     out = m.fc(h.mean(1))
     loss = F.cross_entropy(out, b_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pb_dataloader(m, opt, i, _dl={}):
     from torch.utils.data import DataLoader, TensorDataset
 
-    it = _dl.setdefault(
-        id(m), iter(DataLoader(TensorDataset(torch.cat(b_X * 4), torch.cat(b_Y * 4)), batch_size=5))
+    it = kept(
+        _dl,
+        lambda: iter(
+            DataLoader(TensorDataset(torch.cat(b_X * 4), torch.cat(b_Y * 4)), batch_size=5)
+        ),
     )
     x, y = next(it)
     loss = F.cross_entropy(m(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 # -- a sequence model --
@@ -500,10 +443,7 @@ c_LENS = [torch.tensor([6, 5, 3, 2]), torch.tensor([6, 6, 4, 1]), torch.tensor([
 
 def c_fin(m, opt, h, i):
     loss = F.cross_entropy(m.fc(h), c_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pc_encoder(m, opt, i):
@@ -548,39 +488,27 @@ def pc_nonzero_select(m, opt, i):
     h = m.enc(c_X[i % 3]).mean(1)
     sel = torch.nonzero(h.sum(1) > 0).squeeze(1)
     loss = F.cross_entropy(m.fc(h)[sel], c_Y[i % 3][sel]) if sel.numel() else m.fc(h).sum() * 0
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pc_masked_select(m, opt, i):
     h = m.fc(c_X[i % 3].mean(1))
     v = h.masked_select(h > 0)
     loss = v.sum() + F.cross_entropy(h, c_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pc_unique(m, opt, i):
     u, c = torch.unique(c_Y[i % 3], return_counts=True)
     w = torch.zeros(3).index_add_(0, u, c.float())
     loss = F.cross_entropy(m.fc(c_X[i % 3].mean(1)), c_Y[i % 3], weight=1.0 / (w + 1))
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pc_fft(m, opt, i):
     h = torch.fft.rfft(m.fc(c_X[i % 3]).transpose(1, 2), dim=-1).abs().mean(-1)
     loss = F.cross_entropy(h, c_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pc_linalg(m, opt, i):
@@ -588,28 +516,19 @@ def pc_linalg(m, opt, i):
     inv = torch.linalg.inv(h)
     ld = torch.linalg.slogdet(h)[1]
     loss = F.cross_entropy(m.fc(c_X[i % 3].mean(1)) @ inv, c_Y[i % 3]) + 0.01 * ld
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pc_complex(m, opt, i):
     z = torch.complex(m.fc(c_X[i % 3].mean(1)), torch.ones(4, 3))
     loss = (z * z.conj()).real.mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 def pc_half_cast(m, opt, i):
     h = m.fc(c_X[i % 3].mean(1)).to(torch.bfloat16).float()
     loss = F.cross_entropy(h, c_Y[i % 3])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+    return update(opt, loss)
 
 
 FAMILIES = {"pa": a_make, "pb": b_make, "pc": c_make}

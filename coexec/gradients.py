@@ -103,10 +103,14 @@ class GradientBlock:
     ops: tuple[GradientOp, ...]
     leaves: tuple[LeafGrad, ...]
     n_holders: int  # saved tensors held when the backward started
-    released: tuple[int, ...]  # which of them the engine let go of
-    # of those, the ones let go of after ``j`` of the block's ops, for each ``j`` from 0 to
-    # len(ops): where the engine let go of them (after the node that read each), for a replay
-    release_after: tuple[tuple[int, ...], ...] = ()
+    # the ones of them the engine let go of after ``j`` of the block's ops, for each ``j``
+    # from 0 to len(ops) (after the node that read each), for a replay to do the same
+    release_after: tuple[tuple[int, ...], ...]
+
+    @property
+    def released(self) -> tuple[int, ...]:
+        """The saved tensors the engine let go of."""
+        return tuple(i for group in self.release_after for i in group)
 
 
 _FREED = (
@@ -565,11 +569,11 @@ class Backwards:
             LeafGrad(sk.first_use.get(leaf), TensorMeta.of(g) if g is not None else None, f)
             for leaf, g, f in zip(leaves, before, finals)
         )
-        released = tuple(i for i in held if self.saved.holders[i]() is None)
         release_after: list[list[int]] = [[] for _ in range(len(block_ops) + 1)]
-        for i in released:
-            release_after[let_go.get(i, len(block_ops))].append(i)
-        return GradientBlock(tuple(block_ops), leaf_grads, n_holders, released, tuple(map(tuple, release_after)))
+        for i in held:
+            if self.saved.holders[i]() is None:  # the engine let go of it
+                release_after[let_go.get(i, len(block_ops))].append(i)
+        return GradientBlock(tuple(block_ops), leaf_grads, n_holders, tuple(map(tuple, release_after)))
 
     # -- issuing a block ------------------------------------------------------------------
     def _replay(self, block: GradientBlock, loss: Placeholder) -> bool:

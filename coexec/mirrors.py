@@ -10,9 +10,9 @@ parameter and for the executor at every other one. The counter's next value need
 op on data the skeleton can see. So where an op's tensors are all tiny CPU tensors
 (:func:`_mirrorable`) whose values the skeleton knows, it runs the op itself as well, on copies
 (the same kernel on the same data: the same result), and a fetch of a value it knows reads the
-copy instead of waiting. The executor still runs the op on the real tensors. Only ops whose values some fetch of the
-graph reads, directly or through other ops (:func:`fetch_feeders`), are mirrored: copying
-the inputs and running the kernel a second time is waste for a value nobody reads.
+copy instead of waiting. The executor still runs the op on the real tensors. Only ops whose
+values some fetch of the graph reads, directly or through other ops (:func:`fetch_feeders`),
+are mirrored: copying the inputs and running the kernel again is waste for a value nobody reads.
 
 What the skeleton knows: a tensor from outside the step (a parameter, optimizer state) as it is
 when the step first uses it, if nothing of this step wrote its storage before (no executor work
@@ -72,43 +72,35 @@ def fetch_feeders(graph: Any) -> frozenset[int] | None:
     tiny op is mirrored). Mirroring an op no fetch reads costs a copy of its inputs and a
     second kernel call for nothing (200 tiny in-place updates: most of the step)."""
     cached = _FED.get(graph)
-    if cached is not None and cached[0] == graph.traces:
-        return cached[1]
+    if cached is None or cached[0] != graph.traces:
+        cached = _FED[graph] = (graph.traces, _feeders(graph))
+    return cached[1]
+
+
+# where a source (tracegraph.graph.Source, or a loop's ENTER description) names its node
+_NODE_AT = {"node": 1, "outer": 1, "loop": 2, "back": 3}
+_FROM_OUTSIDE = (None, ("ext",), ("outer", "ext"))
+
+
+def _feeders(graph: Any) -> frozenset[int] | None:
     nodes = {n.id: n for n in graph.nodes()}
-    stack: list = []
-    for region in graph.regions():
-        for n in (region.start, *region.nodes):
-            stack.extend(src for _kind, src in n.fetches)
+    stack = [src for region in graph.regions() for n in (region.start, *region.nodes) for _kind, src in n.fetches]
     seen: set[int] = set()
-    out: frozenset[int] | None = None
     while stack:
         src = stack.pop()
-        if src is None or src == ("ext",) or src == ("outer", "ext"):
+        if src in _FROM_OUTSIDE:
             continue
-        if src[0] == "node" or src[0] == "outer":
-            nid = src[1]
-        elif src[0] == "loop":
-            nid = src[2]
-        elif src[0] == "back":
-            nid = src[3]
-        else:  # ("enter",) at a fetch: where from is not recorded there
-            break
-        if nid in seen:
+        at = _NODE_AT.get(src[0])
+        node = nodes.get(src[at]) if at is not None else None
+        if node is None:  # ("enter",) at a fetch: where from is not recorded there
+            return None
+        if node.id in seen:
             continue
-        node = nodes.get(nid)
-        if node is None:
-            break
-        seen.add(nid)
+        seen.add(node.id)
         for i, alts in enumerate(node.sources):
             for a in alts:
-                if a == ("enter",):
-                    stack.extend(node.enter_sources.get(i, ((None,),)))
-                else:
-                    stack.append(a)
-    else:
-        out = frozenset(seen)
-    _FED[graph] = (graph.traces, out)
-    return out
+                stack.extend(node.enter_sources.get(i, ((None,),)) if a == ("enter",) else (a,))
+    return frozenset(seen)
 
 
 class Mirrors:

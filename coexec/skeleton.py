@@ -310,6 +310,7 @@ class Skeleton(Recorder):
         self.backwards = Backwards(self, gradient_blocks)
         self.special = dict.fromkeys(HOOK_CALLS, self._hooked)
         self.special[torch.Tensor.backward] = self.backwards.backward
+        self.special.update(dict.fromkeys(_FILLS_NEW_TENSORS, self._eagerly))
         self.cursor: Cursor | None = None
         self.eager = False
         self.fallback_reason: str | None = None  # its message (fallback_why.message)
@@ -353,6 +354,12 @@ class Skeleton(Recorder):
         self.backwards.close()
         self.special = {}
 
+    def _eagerly(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
+        """A call the step runs eagerly from here on (:data:`_FILLS_NEW_TENSORS`)."""
+        if not self.eager:
+            self.fall_back(f"{getattr(func, '__name__', func)} fills the tensors it makes in C++")
+        return self.call(func, args, kwargs, loc)
+
     def _hooked(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
         """A hook or ``retain_grad``: this step's backward runs Python the graph does not show."""
         self.backwards.hooked = True
@@ -362,10 +369,6 @@ class Skeleton(Recorder):
     def call(self, func: Any, args: tuple, kwargs: dict, loc: Any) -> Any:
         """A torch-level call: issued from its template where one fits (coexec/calls.py), else
         through the dispatcher (and a template made of it where it can be)."""
-        if func in _READS_BATCH_SIZES:
-            args = tuple(self._with_data(a) for a in args)
-        if func in _FILLS_NEW_TENSORS and not self.eager:
-            self.fall_back(f"{getattr(func, '__name__', func)} fills the tensors it makes in C++")
         if self.eager or func in TEMPLATES.plain:
             return super().call(func, args, kwargs, loc)
         # (placeholders' metadata read as a plain tensor's, not through __torch_function__)
@@ -399,16 +402,6 @@ class Skeleton(Recorder):
             TEMPLATES.plain.add(func)  # a Python value without an op (``dim``, ``shape``)
         TEMPLATES.learn(sig, made)
         return out
-
-    def _with_data(self, x: Any) -> Any:
-        """``x``, or for a placeholder of integers (a packed sequence's ``batch_sizes``) its
-        real tensor, standing for the same value: the call reads its data in C++, which a
-        placeholder has not (waits for the executor to compute it, as a fetch)."""
-        if isinstance(x, Placeholder) and not x.is_floating_point() and not x.is_complex():
-            real = x.real_tensor()
-            self.same_value(real, x)
-            return real
-        return x
 
     def _templatable(self, kwargs: dict, loc: Any) -> bool:
         """Could a call here be issued from a template? Not if autograd, autocast, inference
@@ -772,13 +765,9 @@ class Skeleton(Recorder):
 _MIRRORED_FETCHES = frozenset({"item", "bool", "float", "int", "index", "tolist", "repr", "format", "tensor"})
 
 
-# torch-level calls whose C++ reads a packed sequence's batch sizes from the tensor's data
-_READS_BATCH_SIZES = frozenset({
-    torch._VF.gru, torch._VF.lstm, torch._VF.rnn_tanh, torch._VF.rnn_relu, torch._VF._pad_packed_sequence,
-})  # fmt: skip
 # torch-level calls whose C++ writes into a tensor it made through its data pointer
 # (``at::tensor(std::vector)``): a placeholder has no data, so the step runs them eagerly
-_FILLS_NEW_TENSORS = frozenset({torch._VF._pad_packed_sequence})
+_FILLS_NEW_TENSORS = (torch._VF._pad_packed_sequence,)
 
 
 def _repoints_inside_a_call(func: Any, args: tuple, call: Any, session: Any) -> bool:
@@ -788,13 +777,12 @@ def _repoints_inside_a_call(func: Any, args: tuple, call: Any, session: Any) -> 
     return (
         func.overloadpacket is torch.ops.aten.set_
         and "Storage" in func._overloadname
-        and bool(args)
+        and len(args) > 1
         and isinstance(args[0], Placeholder)
         and args[0]._session is session
+        and args[1].data_ptr() != 0  # a real storage (not a placeholder's)
         and call is not None
         and getattr(call, "__name__", None) != "set_"
-        and len(args) > 1
-        and args[1].data_ptr() != 0  # a real storage (not a placeholder's)
     )
 
 

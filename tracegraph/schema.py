@@ -45,13 +45,13 @@ DEFAULT = _Marker("DEFAULT")  # argument left at its schema default
 TENSOR_ARG = _Marker("TENSOR")  # a tensor argument; its metadata is kept apart
 FED = _Marker("FED")  # a value promoted to a fed input
 
-# Ops that mutate an argument their schema does not mark as written: (positions, condition).
-# native_batch_norm updates running_mean/running_var in place when training=True.
 # ops whose output shape depends on the values of a CPU tensor argument (a packed sequence's
 # lengths or batch sizes) without the dynamic_output_shape tag: with other lengths the graph's
 # shapes were taken for this step's (a GRU over a packed sequence sliced past the data's end)
 _SHAPE_FROM_CPU_DATA = frozenset({"aten::_pack_padded_sequence", "aten::_pad_packed_sequence"})
 
+# Ops that mutate an argument their schema does not mark as written: (positions, condition).
+# native_batch_norm updates running_mean/running_var in place when training=True.
 _UNDECLARED_WRITES: dict[str, tuple[int, ...]] = {
     "aten::native_batch_norm": (3, 4),
     "aten::cudnn_batch_norm": (3, 4),
