@@ -5,7 +5,9 @@
 // them. It finds the op's output metadata either by running the op's meta kernel or, once seen,
 // from a cache keyed by (op, Python code object, bytecode offset): the "per-location cache of
 // the ATen ops a call produced" the issue describes. Each op is appended to a tape (what an
-// executor would run). Nothing is computed. Built and driven by bench/native_skeleton_floor.py.
+// executor would run). Nothing is computed while the step runs; replay() runs the tape on real
+// tensors afterwards, to check it against eager. Built and driven by
+// bench/native_skeleton_floor.py.
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -99,12 +101,49 @@ bool inputs_match(const std::vector<c10::IValue>& args, const std::vector<Tensor
   }
   return k == want.size();
 }
-std::vector<std::pair<const c10::OperatorHandle*, std::vector<c10::IValue>>> g_tape;
+struct TapeEntry {
+  const c10::OperatorHandle* op;
+  std::vector<c10::IValue> args, outs;
+};
+std::vector<TapeEntry> g_tape;
+
+bool g_keep_tape = false;  // keep the tape for replay() instead of dropping it at the step's end
+
+// where a placeholder's value goes once computed (for the replay check); autograd detaches by
+// shallow copies (``detach``, views' metadata, saved tensors), which must share it
+struct Slot {
+  at::Tensor real;
+};
+
+struct PlaceholderImpl : c10::TensorImpl {
+  std::shared_ptr<Slot> slot;
+
+  PlaceholderImpl(caffe2::TypeMeta dtype, std::shared_ptr<Slot> s)
+      : TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), dtype, c10::Device(c10::kCPU)),
+        slot(std::move(s)) {}
+
+  c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(
+      const c10::VariableVersion& version, bool allow_metadata_change) const override {
+    auto impl = c10::make_intrusive<PlaceholderImpl>(dtype(), slot);
+    copy_tensor_metadata(this, impl.get(), version, allow_metadata_change);
+    return impl;
+  }
+
+  c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(
+      c10::VariableVersion&& version, bool allow_metadata_change) const override {
+    auto impl = c10::make_intrusive<PlaceholderImpl>(dtype(), slot);
+    copy_tensor_metadata(this, impl.get(), std::move(version), allow_metadata_change);
+    return impl;
+  }
+
+  void shallow_copy_from(const c10::intrusive_ptr<TensorImpl>& impl) override {
+    TensorImpl::shallow_copy_from(impl);
+    if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) slot = other->slot;
+  }
+};
 
 at::Tensor make_ph(c10::IntArrayRef sizes, c10::IntArrayRef strides, c10::ScalarType dtype) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(
-      c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::scalarTypeToTypeMeta(dtype),
-      c10::Device(c10::kCPU));
+  auto impl = c10::make_intrusive<PlaceholderImpl>(c10::scalarTypeToTypeMeta(dtype), std::make_shared<Slot>());
   impl->set_sizes_and_strides(sizes, strides);
   return at::Tensor(std::move(impl));
 }
@@ -223,7 +262,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
         std::cerr << " " << o.toTensor().sizes() << o.toTensor().strides();
     std::cerr << std::endl;
   }
-  g_tape.emplace_back(&op, std::move(args));
+  g_tape.push_back(TapeEntry{&op, std::move(args), outs});
   for (auto& o : outs) stack->push_back(std::move(o));
 }
 
@@ -234,14 +273,79 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 }
 
 // the placeholder for a real tensor (its metadata; its value is not kept)
+PlaceholderImpl* impl_of(const at::Tensor& t) {
+  return dynamic_cast<PlaceholderImpl*>(t.unsafeGetTensorImpl());
+}
+
+void remember(const at::Tensor& ph, const at::Tensor& real) { impl_of(ph)->slot->real = real; }
+
 at::Tensor placeholder_like(const at::Tensor& t) {
-  return make_ph(t.sizes(), t.strides(), t.scalar_type());
+  at::Tensor p = make_ph(t.sizes(), t.strides(), t.scalar_type());
+  if (g_keep_tape) remember(p, t);
+  return p;
+}
+
+bool is_ph(const at::Tensor& t) { return t.defined() && t.key_set().has(c10::DispatchKey::PrivateUse1); }
+
+at::Tensor real_of(const at::Tensor& t) {
+  if (!is_ph(t)) return t;
+  PlaceholderImpl* impl = impl_of(t);
+  TORCH_CHECK(impl != nullptr && impl->slot->real.defined(), "replay: a placeholder without a value");
+  return impl->slot->real;
+}
+
+c10::IValue real_iv(const c10::IValue& iv) {
+  if (iv.isTensor()) return real_of(iv.toTensor());
+  if (iv.isTensorList()) {
+    std::vector<at::Tensor> l;
+    for (const at::Tensor& t : iv.toTensorVector()) l.push_back(real_of(t));
+    return l;
+  }
+  if (iv.isList()) {
+    bool tensors = false;
+    for (const c10::IValue& x : iv.toListRef()) tensors = tensors || x.isTensor();
+    if (!tensors) return iv;
+    c10::List<std::optional<at::Tensor>> l;
+    for (const c10::IValue& x : iv.toListRef())
+      l.push_back(x.isTensor() ? std::optional<at::Tensor>(real_of(x.toTensor())) : std::nullopt);
+    return l;
+  }
+  return iv;
+}
+
+void bind(const c10::IValue& ph, const c10::IValue& real) {
+  if (ph.isTensor()) {
+    const at::Tensor& p = ph.toTensor();
+    if (is_ph(p)) remember(p, real.toTensor());
+  } else if (ph.isTensorList()) {
+    auto ps = ph.toTensorVector();
+    auto rs = real.toTensorVector();
+    for (size_t i = 0; i < ps.size(); ++i) bind(ps[i], rs[i]);
+  }
+}
+
+// Run the tape on real tensors, below autograd (as an executor does), in the order the kernel
+// saw the ops, and give every placeholder its value: the check that the kernel saw all an
+// eager step does. Returns the number of ops run.
+int64_t replay() {
+  at::AutoDispatchBelowADInplaceOrView below;
+  int64_t n = 0;
+  for (const TapeEntry& e : g_tape) {
+    torch::jit::Stack stack;
+    for (const c10::IValue& a : e.args) stack.push_back(real_iv(a));
+    e.op->callBoxed(stack);
+    for (size_t r = 0; r < e.outs.size(); ++r) bind(e.outs[r], stack[r]);
+    ++n;
+  }
+  g_tape.clear();
+  return n;
 }
 
 std::vector<int64_t> counters() { return {g_ops, g_meta_runs, (int64_t)g_tape.size()}; }
 
-void reset(bool use_cache) {
+void reset(bool use_cache, bool keep_tape) {
   g_use_cache = use_cache;
+  g_keep_tape = keep_tape;
   g_cache.clear();
   g_tape.clear();
   g_seen.clear();
@@ -249,7 +353,7 @@ void reset(bool use_cache) {
 }
 
 void clear_tape() {  // the step's end
-  g_tape.clear();
+  if (!g_keep_tape) g_tape.clear();
   g_seen.clear();
 }
 
@@ -286,4 +390,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset", &reset);
   m.def("clear_tape", &clear_tape);
   m.def("install", &install);
+  m.def("replay", &replay);
+  m.def("real_of", &real_of);
 }

@@ -11,6 +11,11 @@ Python code location of the call; each op goes on a tape. Autograd, optimizers a
 above them unchanged, as over any backend. Nothing is computed: this is the skeleton alone,
 what Python costs when every op is answered without Python.
 
+Then each zoo model trains 3 steps under the probe, and after each step its tape runs on real
+tensors below autograd (``replay``: an executor's job), against an eager copy from the same
+seed: the largest difference in losses and parameters (0: the kernel saw every op eager runs,
+in an order that gives eager's values).
+
 Rows: the tiny MLP of ``bench/skeleton_floor.py`` (microseconds per ATen op) and zoo models at
 ``--batch`` (milliseconds per step), each as eager, the C++ placeholder skeleton with meta
 kernels, and with the location cache, medians over ``--repeats`` blocks. Compare with the
@@ -59,13 +64,37 @@ def per_block(fn, repeats: int, block: int = 10) -> float:
 
 
 def zoo_step(zoo, inputs):
-    def step() -> None:
-        out = zoo.model(inputs[0])
-        zoo.loss(out, inputs[1]).backward()
-        zoo.optimizer.step()
-        zoo.optimizer.zero_grad(set_to_none=True)
+    return lambda: _train_step(zoo, inputs)
 
-    return step
+
+def replay_check(native, name: str, batch: int, steps: int = 3) -> dict:
+    """Train ``name`` eagerly and under the probe from one seed; after each probe step run its
+    tape on real tensors (``replay``): same losses and parameters, bit for bit?"""
+    eager, probed = ZOO[name](batch), ZOO[name](batch)
+    native.reset(True, True)
+    fed = tuple(native.placeholder_like(t) for t in probed.inputs)
+    diff, ops = 0.0, 0
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        want = eager.step()
+        torch.manual_seed(100 + i)
+        loss = _train_step(probed, fed)
+        ops = native.replay()
+        got = native.real_of(loss)
+        diff = max(diff, (want - got).abs().max().item())
+    for a, b in zip(eager.model.parameters(), probed.model.parameters()):
+        diff = max(diff, (a - b).abs().max().item())
+    native.reset(True, False)
+    return {"model": name, "steps": steps, "ops replayed per step": ops, "max |diff|": diff}
+
+
+def _train_step(zoo, inputs) -> torch.Tensor:
+    out = zoo.model(inputs[0])
+    loss = zoo.loss(out, inputs[1])
+    loss.backward()
+    zoo.optimizer.step()
+    zoo.optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def main() -> None:
@@ -83,7 +112,7 @@ def main() -> None:
 
     # the tiny MLP: per op
     step = make()
-    native.reset(True)
+    native.reset(True, False)
     eager = per_block(step, args.repeats)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -104,7 +133,7 @@ def main() -> None:
 
     rows = []
     for use_cache in (False, True):
-        native.reset(use_cache)
+        native.reset(use_cache, False)
         probe()
         ops = native.counters()[0]
         t = per_block(probe, args.repeats)
@@ -126,7 +155,7 @@ def main() -> None:
         probe_step = zoo_step(ZOO[name](args.batch), fed)
         row = {"model": name, "batch": args.batch, "eager ms": eager_ms}
         for use_cache in (False, True):
-            native.reset(use_cache)
+            native.reset(use_cache, False)
             try:
                 probe_step()
                 native.clear_tape()
@@ -149,11 +178,24 @@ def main() -> None:
             row[f"skeleton ms ({tag})"] = ms
             row[f"skeleton/eager ({tag})"] = ms / eager_ms
         table.append(row)
+    _print(table)
+    checks = [replay_check(native, name, args.batch) for name in args.models.split(",")]
+    print("\nreplaying each probe step's tape on real tensors, against eager from the same seed:")
+    _print(checks)
+
+
+def _print(table: list[dict]) -> None:
     keys = list(dict.fromkeys(k for r in table for k in r))
     print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in table:
-        cells = [f"{r[k]:.2f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
+        cells = [_cell(k, r.get(k, "")) for k in keys]
         print("| " + " | ".join(cells) + " |")
+
+
+def _cell(key: str, v) -> str:
+    if key == "max |diff|":
+        return f"{v:g}"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":
