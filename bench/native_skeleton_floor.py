@@ -1,26 +1,32 @@
-"""What a skeleton that intercepts ATen ops in C++ would cost: a probe for issue 16's
-deliverable 2, not part of coexec.
+"""What a skeleton that intercepts ATen ops in C++ would cost, and what running its ops on a C++
+worker thread would give: a probe for issue 16's deliverable 2, not part of coexec.
 
     python bench/native_skeleton_floor.py [--models mlp,gpt2-6l,resnet18] [--batch 16] [--repeats 20]
+                                          [--steps 8] [--programs]
 
 ``bench/native_placeholder.cpp`` (built here at first use with ``torch.utils.cpp_extension``,
 about a minute) makes placeholders TensorImpls without storage under the PrivateUse1 dispatch
 key, reporting the CPU as their device, and answers every op on them with one boxed C++ kernel:
 output metadata from the op's meta kernel, or, once seen, from a cache keyed by the op and the
 Python code location of the call; each op goes on a tape. Autograd, optimizers and modules run
-above them unchanged, as over any backend. Nothing is computed: this is the skeleton alone,
-what Python costs when every op is answered without Python.
+above them unchanged, as over any backend. Three parts:
 
-Then each zoo model trains 3 steps under the probe, and after each step its tape runs on real
-tensors below autograd (``replay``: an executor's job), against an eager copy from the same
-seed: the largest difference in losses and parameters (0: the kernel saw every op eager runs,
-in an order that gives eager's values).
-
-Rows: the tiny MLP of ``bench/skeleton_floor.py`` (microseconds per ATen op) and zoo models at
-``--batch`` (milliseconds per step), each as eager, the C++ placeholder skeleton with meta
-kernels, and with the location cache, medians over ``--repeats`` blocks. Compare with the
-co-executed step of ``bench/skeleton_floor.py`` and the ``skeleton ms`` of
-``bench/zoo_steps.py``.
+1. the skeleton alone (nothing computed): the tiny MLP of ``bench/skeleton_floor.py``
+   (microseconds per ATen op) and the zoo models at ``--batch`` (milliseconds per step), with
+   meta kernels and with the location cache, medians over ``--repeats`` blocks. Compare with
+   the co-executed step of ``bench/skeleton_floor.py`` and the ``skeleton ms`` of
+   ``bench/zoo_steps.py``;
+2. the replay check: each zoo model trains 3 steps under the probe, and after each step its
+   tape runs on real tensors below autograd, against an eager copy from the same seed: the
+   largest difference in losses and parameters (0: the kernel saw every op eager runs, in an
+   order that gives eager's values);
+3. async: the probe captures every op of the step (its key in the thread's included dispatch
+   keys, so ops on real tensors come to it too), a C++ worker without the GIL runs each op as
+   it is taped, and an op the cache cannot answer runs at once on real tensors, as eager would;
+   zoo models (and with ``--programs`` the 14 example programs) train ``--steps`` steps after
+   3 of warm-up, in turn with an eager copy: median step times, the median of the paired
+   ratios, and the largest difference in losses, parameters and optimizer state. Compare with
+   ``bench/zoo_steps.py`` and ``bench/coexec_steps.py``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from skeleton_floor import make
 
 from examples.models import ZOO
+from examples.programs import PROGRAMS
 
 _SOURCE = Path(__file__).resolve().parent / "native_placeholder.cpp"
 
@@ -71,7 +78,7 @@ def replay_check(native, name: str, batch: int, steps: int = 3) -> dict:
     """Train ``name`` eagerly and under the probe from one seed; after each probe step run its
     tape on real tensors (``replay``): same losses and parameters, bit for bit?"""
     eager, probed = ZOO[name](batch), ZOO[name](batch)
-    native.reset(True, True)
+    native.reset(True, "replay")
     fed = tuple(native.placeholder_like(t) for t in probed.inputs)
     diff, ops = 0.0, 0
     for i in range(steps):
@@ -80,12 +87,81 @@ def replay_check(native, name: str, batch: int, steps: int = 3) -> dict:
         torch.manual_seed(100 + i)
         loss = _train_step(probed, fed)
         ops = native.replay()
+        native.end_step()
         got = native.real_of(loss)
         diff = max(diff, (want - got).abs().max().item())
     for a, b in zip(eager.model.parameters(), probed.model.parameters()):
         diff = max(diff, (a - b).abs().max().item())
-    native.reset(True, False)
+    native.reset(True, "tape")
     return {"model": name, "steps": steps, "ops replayed per step": ops, "max |diff|": diff}
+
+
+def async_run(native, name: str, make, step, steps: int, warm: int = 3) -> dict:
+    """Train ``make()`` eagerly and in the probe's async mode, capturing every op of the step
+    (a C++ worker runs each op as the kernel tapes it; an op the cache cannot answer runs at
+    once), a step of each in turn from the same seeds, every async step ending with a wait for
+    its worker: step times after ``warm`` steps, and whether losses, parameters and optimizer
+    state are bit-equal. ``step(state, i)`` runs step ``i`` and returns its loss."""
+    eager, lazy = make(), make()
+    native.reset(True, "async")
+    diff, ratios, te, ta = 0.0, [], [], []
+    row = {"program": name}
+    try:
+        for i in range(warm + steps):
+            torch.manual_seed(100 + i)
+            t0 = time.perf_counter()
+            want = step(eager, i)
+            t1 = time.perf_counter()
+            torch.manual_seed(100 + i)
+            forced = native.counters()[2]
+            t2 = time.perf_counter()
+            native.begin_step()
+            try:
+                loss = step(lazy, i)
+            finally:
+                native.end_step()
+            t3 = time.perf_counter()
+            diff = max(diff, _diff(want, loss, native))
+            if i >= warm:
+                te.append(t1 - t0)
+                ta.append(t3 - t2)
+                ratios.append((t3 - t2) / (t1 - t0))
+    except Exception as e:  # noqa: BLE001  (what the probe cannot run yet: say what)
+        native.end_step()
+        native.reset(True, "tape")
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        return row
+    forced = native.counters()[2] - forced
+    for a, b in zip(_state(eager), _state(lazy)):
+        diff = max(diff, _diff(a, b, native))
+    native.reset(True, "tape")
+    row.update({
+        "eager ms": statistics.median(te) * 1e3,
+        "async ms": statistics.median(ta) * 1e3,
+        "async/eager": statistics.median(ratios),
+        "ops run at once, last step": forced,
+        "max |diff|": diff,
+    })  # fmt: skip
+    return row
+
+
+def _diff(a, b, native) -> float:
+    a, b = (native.real_of(x) if isinstance(x, torch.Tensor) else torch.tensor(x) for x in (a, b))
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _state(obj) -> list[torch.Tensor]:
+    """Parameters, buffers and optimizer state of ``obj``'s modules and optimizers, in order
+    (as tests/coexec/helpers.py ``tensors_of``)."""
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, torch.nn.Module):
+            out.extend(v.state_dict().values())
+        elif isinstance(v, torch.optim.Optimizer):
+            out.extend(
+                t for st in v.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+            )
+    return out
 
 
 def _train_step(zoo, inputs) -> torch.Tensor:
@@ -104,6 +180,8 @@ def main() -> None:
     ap.add_argument("--models", default="mlp,gpt2-6l,resnet18")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=8, help="measured steps of the async runs")
+    ap.add_argument("--programs", action="store_true", help="also the 14 example programs, async")
     args = ap.parse_args()
     torch.set_num_threads(1)
     native = build()
@@ -112,7 +190,7 @@ def main() -> None:
 
     # the tiny MLP: per op
     step = make()
-    native.reset(True, False)
+    native.reset(True, "tape")
     eager = per_block(step, args.repeats)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -129,11 +207,11 @@ def main() -> None:
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         opt.step()
-        native.clear_tape()
+        native.end_step()
 
     rows = []
     for use_cache in (False, True):
-        native.reset(use_cache, False)
+        native.reset(use_cache, "tape")
         probe()
         ops = native.counters()[0]
         t = per_block(probe, args.repeats)
@@ -155,10 +233,10 @@ def main() -> None:
         probe_step = zoo_step(ZOO[name](args.batch), fed)
         row = {"model": name, "batch": args.batch, "eager ms": eager_ms}
         for use_cache in (False, True):
-            native.reset(use_cache, False)
+            native.reset(use_cache, "tape")
             try:
                 probe_step()
-                native.clear_tape()
+                native.end_step()
             except Exception as e:  # noqa: BLE001  (an op the probe cannot answer: say which)
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 break
@@ -166,7 +244,7 @@ def main() -> None:
 
             def run(s=probe_step) -> None:
                 s()
-                native.clear_tape()
+                native.end_step()
 
             ms = per_block(run, max(3, args.repeats // 4), block=2) * 1e3
             tag = "cached" if use_cache else "meta"
@@ -182,6 +260,25 @@ def main() -> None:
     checks = [replay_check(native, name, args.batch) for name in args.models.split(",")]
     print("\nreplaying each probe step's tape on real tensors, against eager from the same seed:")
     _print(checks)
+    print(
+        f"\nasync: a C++ worker runs the ops as they are taped; {args.steps} steps each, in turn with eager:"
+    )
+    runs = [
+        async_run(
+            native, name, lambda n=name: ZOO[n](args.batch), lambda z, i: z.step(), args.steps
+        )
+        for name in args.models.split(",")
+    ]
+    if args.programs:
+        runs += [
+            async_run(native, p.name, lambda p=p: p(0), lambda s, i: s.step(i), args.steps)
+            for p in PROGRAMS
+        ]
+    _print(runs)
+    ratios = [r["async/eager"] for r in runs if "async/eager" in r]
+    print(
+        f"\nasync/eager: geometric mean {statistics.geometric_mean(ratios):.2f} over {len(ratios)} runs"
+    )
 
 
 def _print(table: list[dict]) -> None:
@@ -193,7 +290,7 @@ def _print(table: list[dict]) -> None:
 
 
 def _cell(key: str, v) -> str:
-    if key == "max |diff|":
+    if key == "max |diff|" and isinstance(v, float):
         return f"{v:g}"
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
