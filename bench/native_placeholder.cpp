@@ -664,7 +664,34 @@ int64_t replay() {
   return n;
 }
 
+// capture off and on again within a step (around what reads a value in Python: ``numpy()``
+// detaches through the dispatcher, which would capture the detach)
+void pause_capture() {
+  if (!g_capturing) return;
+  auto tls = c10::impl::tls_local_dispatch_key_set();
+  tls.included_ = g_included_before;
+  c10::impl::_force_tls_local_dispatch_key_set(tls);
+}
+
+void resume_capture() {
+  if (!g_capturing) return;
+  auto tls = c10::impl::tls_local_dispatch_key_set();
+  tls.included_ = g_included_before | c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  c10::impl::_force_tls_local_dispatch_key_set(tls);
+}
+
+// a placeholder's value, once the worker has computed it (a real tensor is itself)
+at::Tensor value(const at::Tensor& t) {
+  if (!is_ph(t)) return t;
+  if (g_async) worker().drain();
+  return real_of(t);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("value", &value);
+  m.def("pause", &pause_capture);
+  m.def("resume", &resume_capture);
+  m.def("is_placeholder", &is_ph);
   m.def("placeholder_like", &placeholder_like);
   m.def("counters", &counters);
   m.def("reset", &reset);

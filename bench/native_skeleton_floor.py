@@ -117,7 +117,8 @@ def async_run(native, name: str, make, step, steps: int, warm: int = 3) -> dict:
             t2 = time.perf_counter()
             native.begin_step()
             try:
-                loss = step(lazy, i)
+                with DataAccess(native):
+                    loss = step(lazy, i)
             finally:
                 native.end_step()
             t3 = time.perf_counter()
@@ -143,6 +144,37 @@ def async_run(native, name: str, make, step, steps: int, warm: int = 3) -> dict:
         "max |diff|": diff,
     })  # fmt: skip
     return row
+
+
+class DataAccess:
+    """What reads a tensor's memory without the dispatcher (``.numpy()``, ``.tolist()``,
+    ``__array__``) reads a placeholder's value, while a step is captured: coexec keeps such a
+    table of entry points (``_DATA_ACCESS``); without it they fail on a placeholder."""
+
+    METHODS = ("numpy", "tolist", "__array__")
+
+    def __init__(self, native) -> None:
+        self.native = native
+        self.saved = {}
+
+    def __enter__(self) -> None:
+        native = self.native
+        for name in self.METHODS:
+            original = self.saved[name] = getattr(torch.Tensor, name)
+
+            def read(t, *args, _original=original, **kwargs):
+                real = native.value(t) if native.is_placeholder(t) else t
+                native.pause()  # (the method's own ops, a detach, run on the real tensor)
+                try:
+                    return _original(real, *args, **kwargs)
+                finally:
+                    native.resume()
+
+            setattr(torch.Tensor, name, read)
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
 
 
 def _diff(a, b, native) -> float:
