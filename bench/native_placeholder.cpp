@@ -1,6 +1,7 @@
 // A probe, not part of coexec: what intercepting every ATen op in C++ would cost the skeleton
 // (issue 16, deliverable 2). Placeholders here are TensorImpls without storage whose dispatch
-// key is PrivateUse1 (device still reported as the CPU), so autograd, views and the dispatcher
+// key is PrivateUse3 (PrivateUse1 is what out-of-tree device backends take; the device is still
+// reported as the CPU), so autograd, views and the dispatcher
 // all work above them as they do for any backend; one boxed kernel answers every op on them.
 // It finds the op's output metadata either by running the op's meta kernel or, once seen,
 // from a cache keyed by (op, Python code object, bytecode offset, occurrence): the "per-location
@@ -41,7 +42,7 @@ struct PlaceholderImpl : c10::TensorImpl {
   std::shared_ptr<Slot> slot;
 
   PlaceholderImpl(caffe2::TypeMeta dtype, std::shared_ptr<Slot> s)
-      : TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), dtype, c10::Device(c10::kCPU)),
+      : TensorImpl(c10::DispatchKeySet(c10::DispatchKey::PrivateUse3), dtype, c10::Device(c10::kCPU)),
         slot(std::move(s)) {}
 
   c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(
@@ -73,7 +74,7 @@ at::Tensor make_ph(c10::IntArrayRef sizes, c10::IntArrayRef strides, c10::Scalar
   return at::Tensor(std::move(impl));
 }
 
-bool is_ph(const at::Tensor& t) { return t.defined() && t.key_set().has(c10::DispatchKey::PrivateUse1); }
+bool is_ph(const at::Tensor& t) { return t.defined() && t.key_set().has(c10::DispatchKey::PrivateUse3); }
 
 PlaceholderImpl* impl_of(const at::Tensor& t) { return dynamic_cast<PlaceholderImpl*>(t.unsafeGetTensorImpl()); }
 
@@ -430,11 +431,11 @@ bool must_run_now(const c10::OperatorHandle& op) {
   return false;
 }
 
-// The capture mode: PrivateUse1 in this thread's included dispatch keys sends every op to the
+// The capture mode: PrivateUse3 in this thread's included dispatch keys sends every op to the
 // kernel, those on real tensors too (a batch, parameters, factories such as ``randn``), as a
 // dispatch mode would, but without Python. Off while the kernel runs an op for real.
 // (Saved and restored whole: removing a per-backend key from a key set leaves its backend bit,
-// which still makes PrivateUse1 the highest backend of every op.)
+// which still makes PrivateUse3 the highest backend of every op.)
 bool g_capturing = false;
 c10::DispatchKeySet g_included_before;  // this thread's included keys before begin_step
 
@@ -578,18 +579,18 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+TORCH_LIBRARY_IMPL(_, PrivateUse3, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
 // Ops with a CompositeExplicitAutograd(NonFunctional) kernel use it for every backend key,
 // ahead of a backend fallback, and those kernels read data pointers: the probe's kernel is
-// registered for each of them on PrivateUse1 (as a lazy backend's codegen does). Ops with a
+// registered for each of them on PrivateUse3 (as a lazy backend's codegen does). Ops with a
 // CompositeImplicitAutograd kernel decompose above autograd and are left alone.
 int64_t install() {
   static std::unique_ptr<torch::Library> lib;
   if (lib) return 0;
-  lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__,
+  lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse3, __FILE__,
                                          __LINE__);
   int64_t n = 0;
   for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
@@ -597,7 +598,7 @@ int64_t install() {
     auto op = c10::Dispatcher::singleton().findOp(name);
     if (!op) continue;
     if (op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
-    if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse3)) continue;
     if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
         !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
       continue;
@@ -634,7 +635,7 @@ void begin_step() {
   g_capturing = true;
   auto tls = c10::impl::tls_local_dispatch_key_set();
   g_included_before = tls.included_;
-  tls.included_ = tls.included_ | c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  tls.included_ = tls.included_ | c10::DispatchKeySet(c10::DispatchKey::PrivateUse3);
   c10::impl::_force_tls_local_dispatch_key_set(tls);
 }
 
@@ -676,7 +677,7 @@ void pause_capture() {
 void resume_capture() {
   if (!g_capturing) return;
   auto tls = c10::impl::tls_local_dispatch_key_set();
-  tls.included_ = g_included_before | c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  tls.included_ = g_included_before | c10::DispatchKeySet(c10::DispatchKey::PrivateUse3);
   c10::impl::_force_tls_local_dispatch_key_set(tls);
 }
 

@@ -5,7 +5,7 @@ worker thread would give: a probe for issue 16's deliverable 2, not part of coex
                                           [--steps 8] [--programs]
 
 ``bench/native_placeholder.cpp`` (built here at first use with ``torch.utils.cpp_extension``,
-about a minute) makes placeholders TensorImpls without storage under the PrivateUse1 dispatch
+about a minute) makes placeholders TensorImpls without storage under the PrivateUse3 dispatch
 key, reporting the CPU as their device, and answers every op on them with one boxed C++ kernel:
 output metadata from the op's meta kernel, or, once seen, from a cache keyed by the op and the
 Python code location of the call; each op goes on a tape. Autograd, optimizers and modules run
@@ -217,7 +217,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     native = build()
-    print(f"the probe's kernel registered for {native.install()} ATen ops on PrivateUse1")
+    print(f"the probe's kernel registered for {native.install()} ATen ops on PrivateUse3")
     ph = native.placeholder_like
 
     # the tiny MLP: per op
