@@ -21,6 +21,8 @@
 #include <frameobject.h>
 
 #include <condition_variable>
+#include <cstring>
+#include <sstream>
 #include <cstdlib>
 #include <deque>
 #include <iostream>
@@ -153,8 +155,72 @@ struct WhereHash {
 
 struct Entry {
   std::vector<TensorMeta> inputs;  // the tensor arguments' metadata when it was cached
+  std::vector<c10::IValue> consts;  // its other arguments (tensors as None)
   std::vector<OutMeta> outputs;
 };
+
+// the arguments that are not tensors (a view's shape, a slice's bounds, a dtype): as much a part
+// of what an op makes as its inputs' metadata (the dynamic-size programs caught the cache
+// without them: a ``view`` answered with a shape from another step's sizes)
+// A number argument (``Scalar``, ``float``: an ``alpha``, a learning rate, Adam's step size)
+// counts by its kind only: type promotion reads the kind, no output's shape reads the value,
+// and such values change from step to step (coexec feeds them as numbers).
+std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+  std::vector<c10::IValue> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& iv = args[i];
+    bool tensor = iv.isTensor() || iv.isTensorList();
+    if (!tensor && iv.isList())
+      for (const c10::IValue& x : iv.toListRef()) tensor = tensor || x.isTensor();
+    if (tensor) {
+      out.push_back(c10::IValue());
+      continue;
+    }
+    auto kind = schema.arguments()[i].type()->kind();
+    if (kind == c10::TypeKind::OptionalType)
+      kind = schema.arguments()[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind();
+    const bool number =
+        kind == c10::TypeKind::NumberType || kind == c10::TypeKind::FloatType || kind == c10::TypeKind::ComplexType;
+    if (number && iv.isDouble()) {
+      out.push_back(0.0);
+    } else if (number && iv.isInt()) {
+      out.push_back(int64_t(0));
+    } else if (number && iv.isComplexDouble()) {
+      out.push_back(c10::complex<double>(0, 0));
+    } else if (number && iv.isBool()) {
+      out.push_back(false);
+    } else {
+      out.push_back(iv);
+    }
+  }
+  return out;
+}
+
+bool same_const(const c10::IValue& a, const c10::IValue& b) {
+  if (a.tagKind() != b.tagKind()) return false;
+  if (a.isNone()) return true;
+  if (a.isInt()) return a.toInt() == b.toInt();
+  if (a.isBool()) return a.toBool() == b.toBool();
+  if (a.isDouble()) {
+    double x = a.toDouble(), y = b.toDouble();
+    return std::memcmp(&x, &y, sizeof x) == 0;  // (-0.0 is not 0.0 here)
+  }
+  if (a.isIntList()) return a.toIntVector() == b.toIntVector();
+  if (a.isGenerator()) return a.isSameIdentity(b);
+  std::ostringstream x, y;  // strings, devices, dtypes, scalars, other lists: as printed
+  x << a;
+  y << b;
+  return x.str() == y.str();
+}
+
+bool consts_match(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                  const std::vector<c10::IValue>& want) {
+  auto got = consts_of(schema, args);
+  if (got.size() != want.size()) return false;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!same_const(got[i], want[i])) return false;
+  return true;
+}
 
 bool g_use_cache = true, g_keep_tape = false, g_async = false;
 int64_t g_ops = 0, g_misses = 0, g_forced = 0;
@@ -458,7 +524,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   const std::vector<OutMeta>* cached = nullptr;
   if (g_use_cache) {
     auto it = g_cache.find(key);
-    if (it != g_cache.end() && inputs_match(args, it->second.inputs)) cached = &it->second.outputs;
+    if (it != g_cache.end() && inputs_match(args, it->second.inputs) && consts_match(schema, args, it->second.consts))
+      cached = &it->second.outputs;
   }
   if (g_async && (cached == nullptr || must_run_now(op))) {
     // as eager: wait for the ops before it, run it on real tensors, hand out placeholders
@@ -478,6 +545,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     Entry& e = g_cache[key];
     e.inputs.clear();
     input_metas(args, e.inputs);
+    e.consts = consts_of(schema, args);
     e.outputs = out_metas(*stack, nret);
     for (size_t r = 0; r < nret; ++r) {
       c10::IValue& iv = (*stack)[stack->size() - nret + r];
@@ -531,6 +599,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
     Entry& e = g_cache[key];
     e.inputs.clear();
     input_metas(args, e.inputs);
+    e.consts = consts_of(schema, args);
     e.outputs = out_metas(*stack, nret);
     cached = &e.outputs;
     torch::jit::drop(*stack, nret);

@@ -2,7 +2,7 @@
 worker thread would give: a probe for issue 16's deliverable 2, not part of coexec.
 
     python bench/native_skeleton_floor.py [--models mlp,gpt2-6l,resnet18] [--batch 16] [--repeats 20]
-                                          [--steps 8] [--programs]
+                                          [--steps 8] [--programs] [--dynamic]
 
 ``bench/native_placeholder.cpp`` (built here at first use with ``torch.utils.cpp_extension``,
 about a minute) makes placeholders TensorImpls without storage under the PrivateUse3 dispatch
@@ -23,8 +23,9 @@ above them unchanged, as over any backend. Three parts:
 3. async: the probe captures every op of the step (its key in the thread's included dispatch
    keys, so ops on real tensors come to it too), a C++ worker without the GIL runs each op as
    it is taped, and an op the cache cannot answer runs at once on real tensors, as eager would;
-   zoo models (and with ``--programs`` the 14 example programs) train ``--steps`` steps after
-   3 of warm-up, in turn with an eager copy: median step times, the median of the paired
+   zoo models (and with ``--programs`` the 14 example programs, with ``--dynamic`` the 5
+   programs of ``examples/dynamic_programs.py`` whose sizes change, for at least 30 steps)
+   train ``--steps`` steps after 3 of warm-up, in turn with an eager copy: median step times, the median of the paired
    ratios, and the largest difference in losses, parameters and optimizer state. Compare with
    ``bench/zoo_steps.py`` and ``bench/coexec_steps.py``.
 """
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skeleton_floor import make
 
+from examples.dynamic_programs import DYNAMIC_PROGRAMS
 from examples.models import ZOO
 from examples.programs import PROGRAMS
 
@@ -214,6 +216,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--steps", type=int, default=8, help="measured steps of the async runs")
     ap.add_argument("--programs", action="store_true", help="also the 14 example programs, async")
+    ap.add_argument(
+        "--dynamic", action="store_true", help="also the 5 programs whose sizes change, async"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     native = build()
@@ -305,6 +310,11 @@ def main() -> None:
         runs += [
             async_run(native, p.name, lambda p=p: p(0), lambda s, i: s.step(i), args.steps)
             for p in PROGRAMS
+        ]
+    if args.dynamic:  # sizes change from step to step (issue 17): each new size a miss at first
+        runs += [
+            async_run(native, p.name, lambda p=p: p(0), lambda s, i: s.step(i), max(args.steps, 30))
+            for p in DYNAMIC_PROGRAMS
         ]
     _print(runs)
     ratios = [r["async/eager"] for r in runs if "async/eager" in r]
