@@ -21,12 +21,12 @@
 #include <frameobject.h>
 
 #include <condition_variable>
-#include <cstring>
-#include <sstream>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <iostream>
 #include <mutex>
+#include <sstream>
 #include <thread>
 #include <unordered_map>
 #include <vector>
