@@ -20,6 +20,7 @@
 #include <Python.h>
 #include <frameobject.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -513,7 +514,17 @@ struct IncludedOff {  // the included keys as before the step, the excluded ones
 };
 
 // -- the kernel ----------------------------------------------------------------------------
+void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+int64_t g_kernel_ns = 0;  // time spent in the kernel (what it costs per op beside PyTorch's own)
+
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto t0 = std::chrono::steady_clock::now();
+  answer(op, stack);
+  g_kernel_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t nret = schema.returns().size();
@@ -682,8 +693,9 @@ int64_t install() {
 // the placeholder for a real tensor (with it as its value: a fed input)
 at::Tensor placeholder_like(const at::Tensor& t) { return make_ph(t.sizes(), t.strides(), t.scalar_type(), t); }
 
-// ops seen, ops answered by meta kernels (cache misses), ops run at once (async mode)
-std::vector<int64_t> counters() { return {g_ops, g_misses, g_forced}; }
+// ops seen, ops answered by meta kernels (cache misses), ops run at once (async mode),
+// nanoseconds spent in the kernel
+std::vector<int64_t> counters() { return {g_ops, g_misses, g_forced, g_kernel_ns}; }
 
 // mode: "tape" (a step's tape dropped at its end), "replay" (kept for replay()), "async"
 void reset(bool use_cache, const std::string& mode) {
@@ -695,7 +707,7 @@ void reset(bool use_cache, const std::string& mode) {
   g_cache.clear();
   g_tape.clear();
   g_seen.clear();
-  g_ops = g_misses = g_forced = 0;
+  g_ops = g_misses = g_forced = g_kernel_ns = 0;
 }
 
 // the step's start in capture mode: every op of this thread goes to the kernel until end_step

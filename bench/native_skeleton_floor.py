@@ -251,15 +251,17 @@ def main() -> None:
         native.reset(use_cache, "tape")
         probe()
         ops = native.counters()[0]
+        before = native.counters()
         t = per_block(probe, args.repeats)
-        rows.append((use_cache, ops, t))
+        after = native.counters()
+        rows.append((use_cache, ops, t, (after[3] - before[3]) / 1e3 / (after[0] - before[0])))
     ops = rows[0][1]
     print(f"\ntiny MLP step, {ops} ATen ops under the probe, torch {torch.__version__}, 1 thread\n")
-    print("| step | us/op | x eager |\n|---|---|---|")
-    print(f"| eager | {eager / ops * 1e6:.1f} | 1.0 |")
-    for use_cache, _ops, t in rows:
+    print("| step | us/op | x eager | of which in the kernel, us/op |\n|---|---|---|---|")
+    print(f"| eager | {eager / ops * 1e6:.1f} | 1.0 | |")
+    for use_cache, _ops, t, kernel_us in rows:
         name = "C++ placeholders, location cache" if use_cache else "C++ placeholders, meta kernels"
-        print(f"| {name} | {t / ops * 1e6:.1f} | {t / eager:.2f} |")
+        print(f"| {name} | {t / ops * 1e6:.1f} | {t / eager:.2f} | {kernel_us:.1f} |")
 
     # zoo models: per step
     table = []
@@ -286,10 +288,12 @@ def main() -> None:
             ms = per_block(run, max(3, args.repeats // 4), block=2) * 1e3
             tag = "cached" if use_cache else "meta"
             row["ops"] = n_ops
-            if use_cache:  # a step after warm-up: every op answered from the cache?
-                before = native.counters()[1]
+            if use_cache:  # a step after warm-up: every op answered from the cache? at what cost?
+                before = native.counters()
                 run()
-                row["cache misses per step"] = native.counters()[1] - before
+                after = native.counters()
+                row["cache misses per step"] = after[1] - before[1]
+                row["kernel us/op"] = (after[3] - before[3]) / 1e3 / (after[0] - before[0])
             row[f"skeleton ms ({tag})"] = ms
             row[f"skeleton/eager ({tag})"] = ms / eager_ms
         table.append(row)
