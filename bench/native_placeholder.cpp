@@ -20,6 +20,7 @@
 #include <Python.h>
 #include <frameobject.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -400,16 +401,21 @@ void run_entry(const TapeEntry& e) {
 
 std::vector<TapeEntry> g_tape;  // tape mode
 
+// Ops cross from the skeleton's thread to the worker through a locked queue. Neither side sleeps
+// at once when there is nothing to do: the worker polls for a while before it waits on the
+// condition variable (a wake-up per op costs a system call on both sides), and so does a drain.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
 struct Worker {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<TapeEntry> queue;
-  int64_t pushed = 0, done = 0;
+  std::atomic<int64_t> pushed{0}, done{0};
   std::string error;
   std::thread thread;
   bool stop = false;
-  bool idle = false;      // the worker waits for ops: a push must wake it
-  bool draining = false;  // the skeleton waits for the worker: each op done must say so
+  bool idle = false;      // the worker sleeps: a push must wake it
+  bool draining = false;  // the skeleton sleeps in a drain: the op that ends it must say so
 
   void start() {
     if (!thread.joinable()) thread = std::thread([this] { loop(); });
@@ -420,34 +426,50 @@ struct Worker {
     {
       std::lock_guard<std::mutex> g(mu);
       queue.push_back(std::move(e));
-      ++pushed;
+      pushed.fetch_add(1, std::memory_order_release);
       wake = idle;
     }
-    if (wake) cv.notify_all();  // (a wake-up per op costs a system call each: only when idle)
+    if (wake) cv.notify_all();
+  }
+
+  bool next(TapeEntry& e) {  // the next op, polling for a while, then sleeping
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> g(mu);
+        if (!queue.empty()) {
+          e = std::move(queue.front());
+          queue.pop_front();
+          return true;
+        }
+        if (std::chrono::steady_clock::now() > until) {
+          idle = true;
+          cv.wait(g, [this] { return stop || !queue.empty(); });
+          idle = false;
+          if (stop && queue.empty()) return false;
+          e = std::move(queue.front());
+          queue.pop_front();
+          return true;
+        }
+      }
+      std::this_thread::yield();
+    }
   }
 
   void loop() {
     at::set_num_threads(1);
-    for (;;) {
-      TapeEntry e;
-      {
-        std::unique_lock<std::mutex> g(mu);
-        idle = true;
-        cv.wait(g, [this] { return stop || !queue.empty(); });
-        idle = false;
-        if (stop && queue.empty()) return;
-        e = std::move(queue.front());
-        queue.pop_front();
-      }
+    TapeEntry e;
+    while (next(e)) {
       try {
         if (error.empty()) run_entry(e);
       } catch (const std::exception& ex) {
         error = ex.what();
       }
+      e = TapeEntry();  // (its tensors go before the op counts as done)
       bool tell;
       {
         std::lock_guard<std::mutex> g(mu);
-        ++done;
+        done.fetch_add(1, std::memory_order_release);
         tell = draining;
       }
       if (tell) cv.notify_all();
@@ -467,10 +489,18 @@ struct Worker {
   }
 
   void wait_done() {
-    std::unique_lock<std::mutex> g(mu);
-    draining = true;
-    cv.wait(g, [this] { return done == pushed; });
-    draining = false;
+    const int64_t want = pushed.load(std::memory_order_acquire);
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    while (done.load(std::memory_order_acquire) < want) {
+      if (std::chrono::steady_clock::now() > until) {
+        std::unique_lock<std::mutex> g(mu);
+        draining = true;
+        cv.wait(g, [this, want] { return done.load(std::memory_order_acquire) >= want; });
+        draining = false;
+        return;
+      }
+      std::this_thread::yield();
+    }
   }
 };
 
