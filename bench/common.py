@@ -29,10 +29,12 @@ def measure_each(names: str, measure: Callable[[str], dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    cols = list(rows[0])
+    """The rows as a Markdown table, a column per key any row has (blank where a row lacks it)."""
+    cols = list(dict.fromkeys(k for r in rows for k in r))
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        cells = (r.get(c, "") for c in cols)
+        lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells) + " |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@
 //    waits for the worker and runs at once on real tensors, as eager would.
 // Built and driven by bench/native_skeleton_floor.py.
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 #include <torch/library.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <Python.h>
@@ -27,6 +28,7 @@
 #include <cstring>
 #include <deque>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -51,21 +53,25 @@ struct PlaceholderImpl : c10::TensorImpl {
 
   c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(
       const c10::VariableVersion& version, bool allow_metadata_change) const override {
-    auto impl = c10::make_intrusive<PlaceholderImpl>(dtype(), slot);
-    copy_tensor_metadata(this, impl.get(), version, allow_metadata_change);
-    return impl;
+    return copy(version, allow_metadata_change);
   }
 
   c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(
       c10::VariableVersion&& version, bool allow_metadata_change) const override {
-    auto impl = c10::make_intrusive<PlaceholderImpl>(dtype(), slot);
-    copy_tensor_metadata(this, impl.get(), std::move(version), allow_metadata_change);
-    return impl;
+    return copy(std::move(version), allow_metadata_change);
   }
 
   void shallow_copy_from(const c10::intrusive_ptr<TensorImpl>& impl) override {
     TensorImpl::shallow_copy_from(impl);
     if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) slot = other->slot;
+  }
+
+ private:
+  template <typename Version>
+  c10::intrusive_ptr<TensorImpl> copy(Version&& version, bool allow_metadata_change) const {
+    auto impl = c10::make_intrusive<PlaceholderImpl>(dtype(), slot);
+    copy_tensor_metadata(this, impl.get(), std::forward<Version>(version), allow_metadata_change);
+    return impl;
   }
 };
 
@@ -89,11 +95,14 @@ at::Tensor real_of(const at::Tensor& t) {
   return impl->slot->real;
 }
 
-c10::IValue real_iv(const c10::IValue& iv) {
-  if (iv.isTensor()) return real_of(iv.toTensor());
+// ``iv`` with ``f`` applied to each tensor in it: a tensor, a ``Tensor[]``, a ``Tensor?[]``
+// (``index``); anything else as it is
+template <typename F>
+c10::IValue map_tensors(const c10::IValue& iv, F f) {
+  if (iv.isTensor()) return f(iv.toTensor());
   if (iv.isTensorList()) {
     std::vector<at::Tensor> l;
-    for (const at::Tensor& t : iv.toTensorVector()) l.push_back(real_of(t));
+    for (const at::Tensor& t : iv.toTensorVector()) l.push_back(f(t));
     return l;
   }
   if (iv.isList()) {
@@ -102,14 +111,32 @@ c10::IValue real_iv(const c10::IValue& iv) {
     if (!tensors) return iv;
     c10::List<std::optional<at::Tensor>> l;
     for (const c10::IValue& x : iv.toListRef())
-      l.push_back(x.isTensor() ? std::optional<at::Tensor>(real_of(x.toTensor())) : std::nullopt);
+      l.push_back(x.isTensor() ? std::optional<at::Tensor>(f(x.toTensor())) : std::nullopt);
     return l;
   }
   return iv;
 }
 
+c10::IValue real_iv(const c10::IValue& iv) { return map_tensors(iv, real_of); }
+
 at::Tensor to_meta(const at::Tensor& t) {
-  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta));
+  return t.defined() ? at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta)) : t;
+}
+
+// a placeholder whose value is the real tensor ``t``
+at::Tensor holding(const at::Tensor& t) {
+  return t.defined() ? make_ph(t.sizes(), t.strides(), t.scalar_type(), t) : t;
+}
+
+// the argument that return ``r`` is, written in place (``add_``, ``out=``), or -1
+int written_arg(const c10::FunctionSchema& schema, size_t r) {
+  const auto* alias = schema.returns()[r].alias_info();
+  if (alias == nullptr || !alias->isWrite()) return -1;
+  for (size_t a = 0; a < schema.arguments().size(); ++a) {
+    const auto* ai = schema.arguments()[a].alias_info();
+    if (ai != nullptr && ai->isWrite() && ai->beforeSets() == alias->beforeSets()) return static_cast<int>(a);
+  }
+  return -1;
 }
 
 // -- the metadata cache -----------------------------------------------------------------
@@ -225,7 +252,7 @@ bool consts_match(const c10::FunctionSchema& schema, const std::vector<c10::IVal
 }
 
 bool g_use_cache = true, g_keep_tape = false, g_async = false;
-int64_t g_ops = 0, g_misses = 0, g_forced = 0;
+int64_t g_ops = 0, g_misses = 0, g_run_now = 0;
 std::unordered_map<Key, Entry, KeyHash> g_cache;
 std::unordered_map<Where, int64_t, WhereHash> g_seen;  // ops per location in this step
 
@@ -413,7 +440,6 @@ struct Worker {
   std::atomic<int64_t> pushed{0}, done{0};
   std::string error;
   std::thread thread;
-  bool stop = false;
   bool idle = false;      // the worker sleeps: a push must wake it
   bool draining = false;  // the skeleton sleeps in a drain: the op that ends it must say so
 
@@ -432,24 +458,20 @@ struct Worker {
     if (wake) cv.notify_all();
   }
 
-  bool next(TapeEntry& e) {  // the next op, polling for a while, then sleeping
+  TapeEntry next() {  // the next op, polling for a while, then sleeping
     const auto until = std::chrono::steady_clock::now() + kSpin;
     for (;;) {
       {
         std::unique_lock<std::mutex> g(mu);
-        if (!queue.empty()) {
-          e = std::move(queue.front());
-          queue.pop_front();
-          return true;
-        }
-        if (std::chrono::steady_clock::now() > until) {
+        if (queue.empty() && std::chrono::steady_clock::now() > until) {
           idle = true;
-          cv.wait(g, [this] { return stop || !queue.empty(); });
+          cv.wait(g, [this] { return !queue.empty(); });
           idle = false;
-          if (stop && queue.empty()) return false;
-          e = std::move(queue.front());
+        }
+        if (!queue.empty()) {
+          TapeEntry e = std::move(queue.front());
           queue.pop_front();
-          return true;
+          return e;
         }
       }
       std::this_thread::yield();
@@ -458,8 +480,8 @@ struct Worker {
 
   void loop() {
     at::set_num_threads(1);
-    TapeEntry e;
-    while (next(e)) {
+    for (;;) {
+      TapeEntry e = next();
       try {
         if (error.empty()) run_entry(e);
       } catch (const std::exception& ex) {
@@ -554,12 +576,25 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::St
   g_kernel_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
+const bool g_debug = std::getenv("PROBE_DEBUG") != nullptr;  // print each op (read once)
+
+// the cache's entry for ``key``, made of the op's arguments and the outputs now on the stack
+const std::vector<OutMeta>& cache(const Key& key, const c10::FunctionSchema& schema,
+                                  const std::vector<c10::IValue>& args, const torch::jit::Stack& stack) {
+  Entry& e = g_cache[key];
+  e.inputs.clear();
+  input_metas(args, e.inputs);
+  e.consts = consts_of(schema, args);
+  e.outputs = out_metas(stack, schema.returns().size());
+  return e.outputs;
+}
+
 void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t nret = schema.returns().size();
-  const size_t start = stack->size() - n;
-  std::vector<c10::IValue> args(stack->begin() + start, stack->end());
+  std::vector<c10::IValue> args(stack->end() - n, stack->end());
+  torch::jit::drop(*stack, n);
   ++g_ops;
   Key key = location(op);
   const std::vector<OutMeta>* cached = nullptr;
@@ -571,100 +606,42 @@ void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (g_async && (cached == nullptr || must_run_now(op))) {
     // as eager: wait for the ops before it, run it on real tensors, hand out placeholders
     // that already have their values (or the Python value itself)
-    ++g_forced;
-    if (std::getenv("PROBE_DEBUG") != nullptr)
+    ++g_run_now;
+    if (g_debug)
       std::cerr << "run now: " << schema.name() << "." << schema.overload_name() << (cached ? "" : " (not cached)")
                 << std::endl;
     worker().drain();
-    torch::jit::drop(*stack, n);
     for (const c10::IValue& a : args) stack->push_back(real_iv(a));
     {
       at::AutoDispatchBelowADInplaceOrView below;
       IncludedOff off;
       op.callBoxed(*stack);
     }
-    Entry& e = g_cache[key];
-    e.inputs.clear();
-    input_metas(args, e.inputs);
-    e.consts = consts_of(schema, args);
-    e.outputs = out_metas(*stack, nret);
+    cache(key, schema, args, *stack);
     for (size_t r = 0; r < nret; ++r) {
       c10::IValue& iv = (*stack)[stack->size() - nret + r];
-      const auto* alias = schema.returns()[r].alias_info();
-      if (alias != nullptr && alias->isWrite()) {  // the written argument itself
-        for (size_t a = 0; a < n; ++a) {
-          const auto* ai = schema.arguments()[a].alias_info();
-          if (ai != nullptr && ai->isWrite() && ai->beforeSets() == alias->beforeSets()) {
-            iv = args[a];
-            break;
-          }
-        }
-      } else if (iv.isTensor() && iv.toTensor().defined()) {
-        const at::Tensor t = iv.toTensor();
-        iv = make_ph(t.sizes(), t.strides(), t.scalar_type(), t);
-      } else if (iv.isTensorList()) {
-        std::vector<at::Tensor> l;
-        for (const at::Tensor& t : iv.toTensorVector())
-          l.push_back(t.defined() ? make_ph(t.sizes(), t.strides(), t.scalar_type(), t) : t);
-        iv = l;
-      }
+      const int w = written_arg(schema, r);
+      iv = w >= 0 ? args[w] : map_tensors(iv, holding);
     }
     return;
   }
-  if (cached == nullptr) {
+  if (cached == nullptr) {  // the op's meta kernel says what it makes
     ++g_misses;
-    for (size_t i = start; i < stack->size(); ++i) {
-      auto& iv = (*stack)[i];
-      if (iv.isTensor()) {
-        const auto& t = iv.toTensor();
-        if (t.defined()) iv = to_meta(t);
-      } else if (iv.isTensorList()) {
-        std::vector<at::Tensor> l;
-        for (const at::Tensor& t : iv.toTensorVector()) l.push_back(t.defined() ? to_meta(t) : t);
-        iv = l;
-      } else if (iv.isList()) {  // Tensor?[] (index)
-        c10::List<std::optional<at::Tensor>> l;
-        bool tensors = false;
-        for (const c10::IValue& x : iv.toListRef()) {
-          if (x.isTensor()) {
-            tensors = true;
-            l.push_back(to_meta(x.toTensor()));
-          } else if (x.isNone()) {
-            l.push_back(std::nullopt);
-          }
-        }
-        if (tensors) iv = l;
-      }
-    }
+    for (const c10::IValue& a : args) stack->push_back(map_tensors(a, to_meta));
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
-    Entry& e = g_cache[key];
-    e.inputs.clear();
-    input_metas(args, e.inputs);
-    e.consts = consts_of(schema, args);
-    e.outputs = out_metas(*stack, nret);
-    cached = &e.outputs;
+    cached = &cache(key, schema, args, *stack);
     torch::jit::drop(*stack, nret);
-  } else {
-    torch::jit::drop(*stack, n);
   }
   std::vector<c10::IValue> outs(nret);
+  auto make = [](const TensorMeta& t) {
+    return t.dtype == c10::ScalarType::Undefined ? at::Tensor() : make_ph(t.sizes, t.strides, t.dtype);
+  };
   for (size_t r = 0; r < nret; ++r) {
-    const auto* alias = schema.returns()[r].alias_info();
-    if (alias != nullptr && alias->isWrite()) {  // in place / out=: the written argument itself
-      for (size_t a = 0; a < n; ++a) {
-        const auto* ai = schema.arguments()[a].alias_info();
-        if (ai != nullptr && ai->isWrite() && ai->beforeSets() == alias->beforeSets()) {
-          outs[r] = args[a];
-          break;
-        }
-      }
-      continue;
-    }
+    const int w = written_arg(schema, r);
     const OutMeta& m = (*cached)[r];
-    auto make = [](const TensorMeta& t) {
-      return t.dtype == c10::ScalarType::Undefined ? at::Tensor() : make_ph(t.sizes, t.strides, t.dtype);
-    };
-    if (m.is_list) {
+    if (w >= 0) {
+      outs[r] = args[w];
+    } else if (m.is_list) {
       std::vector<at::Tensor> l;
       for (const TensorMeta& t : m.tensors) l.push_back(make(t));
       outs[r] = l;
@@ -672,7 +649,7 @@ void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       outs[r] = make(m.tensors[0]);
     }
   }
-  if (std::getenv("PROBE_DEBUG") != nullptr) {
+  if (g_debug) {
     std::cerr << schema.name() << "." << schema.overload_name() << " ->";
     for (auto& o : outs)
       if (o.isTensor() && o.toTensor().defined()) std::cerr << " " << o.toTensor().sizes() << o.toTensor().strides();
@@ -723,9 +700,11 @@ int64_t install() {
 // the placeholder for a real tensor (with it as its value: a fed input)
 at::Tensor placeholder_like(const at::Tensor& t) { return make_ph(t.sizes(), t.strides(), t.scalar_type(), t); }
 
-// ops seen, ops answered by meta kernels (cache misses), ops run at once (async mode),
+// ops seen, ops answered by meta kernels (misses), ops run at once (async mode: run_now),
 // nanoseconds spent in the kernel
-std::vector<int64_t> counters() { return {g_ops, g_misses, g_forced, g_kernel_ns}; }
+std::map<std::string, int64_t> counters() {
+  return {{"ops", g_ops}, {"misses", g_misses}, {"run_now", g_run_now}, {"kernel_ns", g_kernel_ns}};
+}
 
 // mode: "tape" (a step's tape dropped at its end), "replay" (kept for replay()), "async"
 void reset(bool use_cache, const std::string& mode) {
@@ -737,7 +716,7 @@ void reset(bool use_cache, const std::string& mode) {
   g_cache.clear();
   g_tape.clear();
   g_seen.clear();
-  g_ops = g_misses = g_forced = g_kernel_ns = 0;
+  g_ops = g_misses = g_run_now = g_kernel_ns = 0;
 }
 
 // the step's start in capture mode: every op of this thread goes to the kernel until end_step

@@ -39,16 +39,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils import cpp_extension
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from skeleton_floor import make
+from common import markdown_table
+from skeleton_floor import make, per_call
 
 from examples.dynamic_programs import DYNAMIC_PROGRAMS
 from examples.models import ZOO
 from examples.programs import PROGRAMS
+from tests.coexec.helpers import tensors_of
 
 _SOURCE = Path(__file__).resolve().parent / "native_placeholder.cpp"
 
@@ -60,42 +61,37 @@ def build():
     )
 
 
-def per_block(fn, repeats: int, block: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(block):
-            fn()
-        samples.append((time.perf_counter() - t0) / block)
-    return statistics.median(samples)
+def fed(native, name: str, batch: int):
+    """The zoo model ``name`` whose batch is placeholders (its ``step()`` then runs on them)."""
+    zoo = ZOO[name](batch)
+    zoo.inputs = tuple(native.placeholder_like(t) for t in zoo.inputs)
+    return zoo
 
 
-def zoo_step(zoo, inputs):
-    return lambda: _train_step(zoo, inputs)
+def kernel_us(before: dict, after: dict) -> float:
+    """Microseconds per op spent in the probe's kernel between two ``counters()``."""
+    return (after["kernel_ns"] - before["kernel_ns"]) / 1e3 / (after["ops"] - before["ops"])
 
 
 def replay_check(native, name: str, batch: int, steps: int = 3) -> dict:
     """Train ``name`` eagerly and under the probe from one seed; after each probe step run its
     tape on real tensors (``replay``): same losses and parameters, bit for bit?"""
-    eager, probed = ZOO[name](batch), ZOO[name](batch)
+    eager = ZOO[name](batch)
     native.reset(True, "replay")
-    fed = tuple(native.placeholder_like(t) for t in probed.inputs)
+    probed = fed(native, name, batch)
     diff, ops = 0.0, 0
     for i in range(steps):
         torch.manual_seed(100 + i)
         want = eager.step()
         torch.manual_seed(100 + i)
-        loss = _train_step(probed, fed)
+        loss = probed.step()
         ops = native.replay()
         native.end_step()
-        got = native.real_of(loss)
-        diff = max(diff, (want - got).abs().max().item())
+        diff = max(diff, _diff(want, loss, native))
     for a, b in zip(eager.model.parameters(), probed.model.parameters()):
-        diff = max(diff, (a - b).abs().max().item())
+        diff = max(diff, _diff(a, b, native))
     native.reset(True, "tape")
-    return {"model": name, "steps": steps, "ops replayed per step": ops, "max |diff|": diff}
+    return {"model": name, "steps": steps, "ops replayed per step": ops, "max |diff|": f"{diff:g}"}
 
 
 def async_run(native, name: str, make, step, steps: int, warm: int = 3) -> dict:
@@ -115,7 +111,7 @@ def async_run(native, name: str, make, step, steps: int, warm: int = 3) -> dict:
             want = step(eager, i)
             t1 = time.perf_counter()
             torch.manual_seed(100 + i)
-            forced = native.counters()[2]
+            run_now = native.counters()["run_now"]
             t2 = time.perf_counter()
             native.begin_step()
             try:
@@ -134,16 +130,16 @@ def async_run(native, name: str, make, step, steps: int, warm: int = 3) -> dict:
         native.reset(True, "tape")
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
         return row
-    forced = native.counters()[2] - forced
-    for a, b in zip(_state(eager), _state(lazy)):
+    run_now = native.counters()["run_now"] - run_now
+    for a, b in zip(tensors_of(eager), tensors_of(lazy)):
         diff = max(diff, _diff(a, b, native))
     native.reset(True, "tape")
     row.update({
         "eager ms": statistics.median(te) * 1e3,
         "async ms": statistics.median(ta) * 1e3,
         "async/eager": statistics.median(ratios),
-        "ops run at once, last step": forced,
-        "max |diff|": diff,
+        "ops run at once, last step": run_now,
+        "max |diff|": f"{diff:g}",
     })  # fmt: skip
     return row
 
@@ -184,29 +180,6 @@ def _diff(a, b, native) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def _state(obj) -> list[torch.Tensor]:
-    """Parameters, buffers and optimizer state of ``obj``'s modules and optimizers, in order
-    (as tests/coexec/helpers.py ``tensors_of``)."""
-    out = []
-    for v in vars(obj).values():
-        if isinstance(v, torch.nn.Module):
-            out.extend(v.state_dict().values())
-        elif isinstance(v, torch.optim.Optimizer):
-            out.extend(
-                t for st in v.state.values() for t in st.values() if isinstance(t, torch.Tensor)
-            )
-    return out
-
-
-def _train_step(zoo, inputs) -> torch.Tensor:
-    out = zoo.model(inputs[0])
-    loss = zoo.loss(out, inputs[1])
-    loss.backward()
-    zoo.optimizer.step()
-    zoo.optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -223,122 +196,85 @@ def main() -> None:
     torch.set_num_threads(1)
     native = build()
     print(f"the probe's kernel registered for {native.install()} ATen ops on PrivateUse3")
-    ph = native.placeholder_like
+    models = args.models.split(",")
 
     # the tiny MLP: per op
-    step = make()
     native.reset(True, "tape")
-    eager = per_block(step, args.repeats)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 8),
-        torch.nn.ReLU(),
-        torch.nn.Linear(8, 8),
-        torch.nn.ReLU(),
-        torch.nn.Linear(8, 1),
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = ph(torch.randn(1, 8)), ph(torch.randn(1, 1))
+    eager = per_call(make(), args.repeats)
+    step = make(native.placeholder_like)
 
     def probe() -> None:
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
+        step()
         native.end_step()
 
     rows = []
     for use_cache in (False, True):
         native.reset(use_cache, "tape")
         probe()
-        ops = native.counters()[0]
+        ops = native.counters()["ops"]
         before = native.counters()
-        t = per_block(probe, args.repeats)
-        after = native.counters()
-        rows.append((use_cache, ops, t, (after[3] - before[3]) / 1e3 / (after[0] - before[0])))
-    ops = rows[0][1]
-    print(f"\ntiny MLP step, {ops} ATen ops under the probe, torch {torch.__version__}, 1 thread\n")
-    print("| step | us/op | x eager | of which in the kernel, us/op |\n|---|---|---|---|")
-    print(f"| eager | {eager / ops * 1e6:.1f} | 1.0 | |")
-    for use_cache, _ops, t, kernel_us in rows:
+        t = per_call(probe, args.repeats)
         name = "C++ placeholders, location cache" if use_cache else "C++ placeholders, meta kernels"
-        print(f"| {name} | {t / ops * 1e6:.1f} | {t / eager:.2f} | {kernel_us:.1f} |")
+        rows.append({
+            "step": name, "us/op": t / ops * 1e6, "x eager": t / eager,
+            "of which in the kernel, us/op": kernel_us(before, native.counters()),
+        })  # fmt: skip
+    print(f"\ntiny MLP step, {ops} ATen ops under the probe, torch {torch.__version__}, 1 thread\n")
+    print(markdown_table([{"step": "eager", "us/op": eager / ops * 1e6, "x eager": 1.0}, *rows]))
 
     # zoo models: per step
     table = []
-    for name in args.models.split(","):
-        zoo = ZOO[name](args.batch)
-        eager_ms = per_block(zoo_step(zoo, zoo.inputs), max(3, args.repeats // 4), block=2) * 1e3
-        fed = tuple(ph(t) for t in zoo.inputs)
-        probe_step = zoo_step(ZOO[name](args.batch), fed)
+    for name in models:
+        eager_ms = per_call(ZOO[name](args.batch).step, max(3, args.repeats // 4), block=2) * 1e3
         row = {"model": name, "batch": args.batch, "eager ms": eager_ms}
         for use_cache in (False, True):
             native.reset(use_cache, "tape")
-            try:
-                probe_step()
-                native.end_step()
-            except Exception as e:  # noqa: BLE001  (an op the probe cannot answer: say which)
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                break
-            n_ops = native.counters()[0]
+            probed = fed(native, name, args.batch)
 
-            def run(s=probe_step) -> None:
+            def run(s=probed.step) -> None:
                 s()
                 native.end_step()
 
-            ms = per_block(run, max(3, args.repeats // 4), block=2) * 1e3
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001  (an op the probe cannot answer: say which)
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                break
+            row["ops"] = native.counters()["ops"]
+            ms = per_call(run, max(3, args.repeats // 4), block=2) * 1e3
             tag = "cached" if use_cache else "meta"
-            row["ops"] = n_ops
             if use_cache:  # a step after warm-up: every op answered from the cache? at what cost?
                 before = native.counters()
                 run()
                 after = native.counters()
-                row["cache misses per step"] = after[1] - before[1]
-                row["kernel us/op"] = (after[3] - before[3]) / 1e3 / (after[0] - before[0])
+                row["cache misses per step"] = after["misses"] - before["misses"]
+                row["kernel us/op"] = kernel_us(before, after)
             row[f"skeleton ms ({tag})"] = ms
             row[f"skeleton/eager ({tag})"] = ms / eager_ms
         table.append(row)
-    _print(table)
-    checks = [replay_check(native, name, args.batch) for name in args.models.split(",")]
-    print("\nreplaying each probe step's tape on real tensors, against eager from the same seed:")
-    _print(checks)
+    print("\n" + markdown_table(table))
+    checks = [replay_check(native, name, args.batch) for name in models]
+    print("\nreplaying each probe step's tape on real tensors, against eager from the same seed:\n")
+    print(markdown_table(checks))
+
     print(
-        f"\nasync: a C++ worker runs the ops as they are taped; {args.steps} steps each, in turn with eager:"
+        f"\nasync: a C++ worker runs the ops as they are taped; {args.steps} steps each, in turn with eager:\n"
     )
     runs = [
-        async_run(
-            native, name, lambda n=name: ZOO[n](args.batch), lambda z, i: z.step(), args.steps
-        )
-        for name in args.models.split(",")
+        async_run(native, n, lambda n=n: ZOO[n](args.batch), lambda z, i: z.step(), args.steps)
+        for n in models
     ]
-    if args.programs:
-        runs += [
-            async_run(native, p.name, lambda p=p: p(0), lambda s, i: s.step(i), args.steps)
-            for p in PROGRAMS
-        ]
+    programs = [(p, args.steps) for p in PROGRAMS] if args.programs else []
     if args.dynamic:  # sizes change from step to step (issue 17): each new size a miss at first
-        runs += [
-            async_run(native, p.name, lambda p=p: p(0), lambda s, i: s.step(i), max(args.steps, 30))
-            for p in DYNAMIC_PROGRAMS
-        ]
-    _print(runs)
+        programs += [(p, max(args.steps, 30)) for p in DYNAMIC_PROGRAMS]
+    runs += [
+        async_run(native, p.name, lambda p=p: p(0), lambda s, i: s.step(i), n) for p, n in programs
+    ]
+    print(markdown_table(runs))
     ratios = [r["async/eager"] for r in runs if "async/eager" in r]
     print(
         f"\nasync/eager: geometric mean {statistics.geometric_mean(ratios):.2f} over {len(ratios)} runs"
     )
-
-
-def _print(table: list[dict]) -> None:
-    keys = list(dict.fromkeys(k for r in table for k in r))
-    print("\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in table:
-        cells = [_cell(k, r.get(k, "")) for k in keys]
-        print("| " + " | ".join(cells) + " |")
-
-
-def _cell(key: str, v) -> str:
-    if key == "max |diff|" and isinstance(v, float):
-        return f"{v:g}"
-    return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":
