@@ -47,12 +47,12 @@ class _FloorFunction(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def make(feed=lambda t: t):
-    """The tiny MLP's training step; ``feed`` turns its batch into what the step reads."""
+def make():
+    """The tiny MLP's training step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = feed(torch.randn(1, 8)), feed(torch.randn(1, 1))
+    x, y = torch.randn(1, 8), torch.randn(1, 1)
 
     def step() -> None:
         opt.zero_grad()

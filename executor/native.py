@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 _DIR = Path(__file__).resolve().parent / "native"
-_SOURCE = _DIR / "module.cpp"
+_SOURCES = [_DIR / "module.cpp", _DIR / "capture.cpp"]
 _FLAGS = ["-O2"]
 
 
@@ -133,7 +133,7 @@ def _compile() -> Path:
         pass
     script = (
         "from torch.utils import cpp_extension; "
-        f"cpp_extension.load(name={_NAME!r}, sources=[{str(_SOURCE)!r}], extra_cflags={_FLAGS!r})"
+        f"cpp_extension.load(name={_NAME!r}, sources={[str(s) for s in _SOURCES]!r}, extra_cflags={_FLAGS!r})"
     )
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
     return built

@@ -1,10 +1,12 @@
 // The executor's native module (executor/native.py builds and loads it): the engine
 // (engine.h), which runs the executor's instructions on a thread of its own without the GIL;
-// LiveBytes (live_bytes.h), its count of live memory; and the skeleton's Tracker (tracker.h),
-// which finds the tensors of a step that died.
+// LiveBytes (live_bytes.h), its count of live memory; the skeleton's Tracker (tracker.h),
+// which finds the tensors of a step that died; and Capture (capture.cpp, its own translation
+// unit so that the two build in parallel), a step's ATen ops answered in C++.
 
 #include <torch/extension.h>
 
+#include "capture.h"
 #include "engine.h"
 #include "tracker.h"
 
@@ -140,6 +142,7 @@ class EngineHandle {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  coexec::bind_capture(m);
   using coexec::LiveBytes;
   py::class_<LiveBytes>(m, "LiveBytes")
       .def(py::init<>())

@@ -1,0 +1,333 @@
+"""Capture (executor/capture.py, native/capture.cpp): steps whose ATen ops a C++ kernel answers
+while a worker computes them train bit-equal to eager, answer from the cache once warm, read
+values where Python reads them, and report failures with the op's line."""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor import native
+from executor.capture import Capture, is_placeholder
+from tests.coexec.helpers import tensors_of
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="capture runs on the native module")
+
+
+class Mlp:
+    def __init__(self) -> None:
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+        )
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(5, 8, generator=g), torch.randint(0, 4, (5,), generator=g)
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+class Cnn:
+    """Convolutions, batch norm (running statistics written in place) and Adam (state made in
+    the first step)."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10),
+        )  # fmt: skip
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+
+    def step(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+        self.opt.zero_grad()
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+class LstmLm:
+    """An LSTM language model with dropout (the CPU generator, in the ops' order), gradient
+    clipping (foreach ops) and AdamW."""
+
+    def __init__(self) -> None:
+        self.emb = torch.nn.Embedding(50, 16)
+        self.lstm = torch.nn.LSTM(16, 16, num_layers=2, dropout=0.2)
+        self.head = torch.nn.Linear(16, 50)
+        params = [*self.emb.parameters(), *self.lstm.parameters(), *self.head.parameters()]
+        self.params = params
+        self.opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(i)
+        tokens = torch.randint(0, 50, (7, 3), generator=g)
+        self.opt.zero_grad()
+        out, _ = self.lstm(F.dropout(self.emb(tokens[:-1]), 0.1))
+        loss = F.cross_entropy(self.head(out).flatten(0, 1), tokens[1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 0.5)
+        self.opt.step()
+        return loss
+
+
+class Branchy:
+    """Python control flow on values: ``.item()`` per block."""
+
+    def __init__(self) -> None:
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(3))
+        self.opt = torch.optim.SGD(self.blocks.parameters(), lr=0.05)
+
+    def step(self, i: int) -> torch.Tensor:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+        self.opt.zero_grad()
+        for block in self.blocks:
+            y = block(x)
+            x = torch.relu(y) if y.mean().item() > 0 else torch.tanh(y)
+        loss = x.pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        return loss
+
+
+MODELS = {"mlp": Mlp, "cnn": Cnn, "lstm-lm": LstmLm, "branchy": Branchy}
+
+
+def train(
+    make: Callable[[], Any], steps: int, capture: Capture | None
+) -> tuple[list[float], list[torch.Tensor]]:
+    """``steps`` steps of a model from one seed, captured or eager: losses and final state."""
+    torch.manual_seed(0)
+    state = make()
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        if capture is None:
+            loss = state.step(i)
+        else:
+            with capture.step():
+                loss = state.step(i)
+        losses.append(loss.item())
+    return losses, tensors_of(vars(state))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_captured_steps_are_bit_equal_to_eager(name: str) -> None:
+    want_losses, want_state = train(MODELS[name], 4, None)
+    got_losses, got_state = train(MODELS[name], 4, Capture())
+    assert got_losses == want_losses
+    assert len(got_state) == len(want_state) > 0
+    for want, got in zip(want_state, got_state):
+        assert not is_placeholder(got)
+        assert torch.equal(want, got)
+
+
+def test_replay_mode_tapes_every_op() -> None:
+    """Nothing computed while the step runs; its tape, run before the step ends, gives eager's
+    values: the kernel saw every op eager runs, in an order that gives them."""
+    want_losses, want_state = train(Mlp, 3, None)
+    capture = Capture("replay")
+    torch.manual_seed(0)
+    state = Mlp()
+    losses = []
+    for i in range(3):
+        torch.manual_seed(100 + i)
+        with capture.step():
+            loss = state.step(i)
+            assert capture.counters.taped > 0
+            capture.replay()
+        losses.append(loss.item())
+    assert losses == want_losses
+    assert all(torch.equal(a, b) for a, b in zip(want_state, tensors_of(vars(state))))
+
+
+@pytest.mark.parametrize(("name", "waits"), [("mlp", 0), ("cnn", 6)])
+def test_a_warm_step_is_answered_from_the_cache(name: str, waits: int) -> None:
+    """After the first steps (Adam's and momentum's state appear in them) no op misses, only
+    what Python reads waits (Adam reads each parameter's step count with ``.item()``), and
+    every warm step has as many ops: the tape holds its placeholders' slots,
+    not the placeholders, so autograd steals each gradient into ``.grad`` as eager does (holding
+    them made extra copies, as many as the worker was behind)."""
+    torch.manual_seed(0)
+    state, capture = MODELS[name](), Capture()
+    for i in range(3):
+        with capture.step():
+            state.step(i)
+    counts = [capture.counters]
+    for i in range(3, 6):
+        with capture.step():
+            state.step(i)
+        counts.append(capture.counters)
+    assert {c.misses for c in counts} == {counts[0].misses}
+    assert {b.run_now - a.run_now for a, b in itertools.pairwise(counts)} == {waits}
+    per_step = {b.ops - a.ops for a, b in itertools.pairwise(counts)}
+    assert len(per_step) == 1 and per_step.pop() > 20
+
+
+def test_item_runs_at_once_and_only_it() -> None:
+    torch.manual_seed(0)
+    state, capture = Branchy(), Capture()
+    for i in range(2):
+        with capture.step():
+            state.step(i)
+    before = capture.counters
+    with capture.step():
+        state.step(2)
+    after = capture.counters
+    assert after.misses == before.misses
+    assert after.run_now - before.run_now == 3  # one _local_scalar_dense per block
+
+
+def test_python_reads_values_inside_a_step() -> None:
+    """numpy(), tolist(), printing a 1-D tensor and formatting a number wait for the value."""
+
+    def work(x: torch.Tensor) -> tuple[Any, ...]:
+        y = (x * 2).sin()
+        return y.detach().numpy().copy(), y.tolist(), str(y), f"{y.sum():.4f}", repr(y[1:])
+
+    x = torch.linspace(0, 1, 5)
+    want = work(x)
+    capture = Capture()
+    for _ in range(2):  # (the second: every op answered from the cache)
+        with capture.step():
+            got = work(x)
+        assert (got[0] == want[0]).all()
+        assert got[1:] == want[1:]
+
+
+def test_tensors_made_in_a_step_are_plain_after_it() -> None:
+    torch.manual_seed(0)
+    state, capture = Mlp(), Capture()
+    for i in range(2):
+        with capture.step():
+            loss = state.step(i)
+            kept = loss.detach()
+            assert is_placeholder(loss) == (i > 0)  # (the first step's ops all ran at once)
+    grad = state.model[0].weight.grad
+    assert not is_placeholder(loss) and not is_placeholder(kept) and not is_placeholder(grad)
+    assert grad.numpy().shape == (16, 8)
+    buffer = io.BytesIO()
+    torch.save({"loss": loss, "grad": grad}, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer)["grad"], grad)
+    assert (loss * 2).item() == loss.item() * 2  # (ops on it run as on any tensor)
+
+
+def test_in_place_ops_that_change_shape_and_factories_of_new_sizes() -> None:
+    capture = Capture()
+    for n in (3, 3, 5, 3):
+        with capture.step():
+            t = torch.arange(n, dtype=torch.float32)
+            t.unsqueeze_(0)
+            shape = tuple(t.shape)
+            u = torch.zeros(2, n).add_(1).t_()
+        assert shape == (1, n)
+        assert torch.equal(t, torch.arange(n, dtype=torch.float32).unsqueeze(0))
+        assert torch.equal(u, torch.ones(n, 2))
+
+
+def _select(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.index_select(w, 0, index)
+
+
+def test_a_failure_on_the_worker_names_the_op_and_its_line() -> None:
+    """The indices of the second step are out of range, which only running the op finds: the
+    step raises at its end, naming the op's line; the next step runs."""
+    w = torch.randn(4, 3)
+    capture = Capture()
+    with capture.step():
+        _select(w, torch.tensor([0, 1])).sum()
+    line = _select.__code__.co_firstlineno + 1
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=rf"failed when the executor ran it .*test_capture\.py:{line} in _select\): .*index",
+        ),
+        capture.step(),
+    ):
+        _select(w, torch.tensor([0, 9])).sum()
+    with capture.step():
+        total = _select(w, torch.tensor([2, 3])).sum()
+    assert total.item() == w[2:].sum().item()
+
+
+def test_an_op_that_fails_at_once_raises_where_eager_does() -> None:
+    with pytest.raises(RuntimeError) as eager:
+        torch.ones(2) @ torch.ones(3)
+    capture = Capture()
+    with pytest.raises(RuntimeError, match=re.escape(str(eager.value))), capture.step():
+        torch.ones(2) @ torch.ones(3)
+    with capture.step():
+        y = torch.ones(2) @ torch.ones(2)
+    assert y.item() == 2.0
+
+
+def test_reading_a_real_tensor_waits_for_its_writes() -> None:
+    """``zeros`` makes a real tensor at once (its ``empty``) and queues the writes: a read of
+    its memory waits for them."""
+    capture = Capture()
+    for _ in range(3):
+        with capture.step():
+            x = torch.zeros(2_000_000)
+            for _ in range(4):
+                x.add_(1)
+            first, last = x.numpy()[0], x.tolist()[-1]
+        assert (first, last) == (4.0, 4.0)
+
+
+def test_random_numbers_follow_the_ops_order() -> None:
+    """(``rand`` is an ``empty`` made at once, filled by the worker: reading it waits too.)"""
+
+    def draws() -> list[float]:
+        a = torch.rand(3)
+        torch.manual_seed(7)
+        b = torch.rand(3)
+        state = torch.get_rng_state()
+        c = torch.rand(2)
+        torch.set_rng_state(state)
+        return [*a.tolist(), *b.tolist(), *c.tolist(), *torch.rand(2).tolist()]
+
+    torch.manual_seed(1)
+    want = draws()
+    capture = Capture()
+    for _ in range(2):
+        torch.manual_seed(1)
+        with capture.step():
+            got = draws()
+        assert got == want
+
+
+def test_bad_uses_say_what_is_wrong() -> None:
+    with pytest.raises(
+        RuntimeError, match="a capture's mode is 'async', 'replay' or 'tape', not 'fast'"
+    ):
+        Capture("fast")  # type: ignore[arg-type]
+    first, second = Capture(), Capture()
+    nested = second.step()
+    with first.step(), pytest.raises(RuntimeError, match="a step is already being captured"):
+        nested.__enter__()
+    with pytest.raises(RuntimeError, match="replay\\(\\) is for a capture in 'replay' mode"):
+        first.replay()
+
+
+def test_a_copy_of_a_model_trained_under_capture_is_plain() -> None:
+    torch.manual_seed(0)
+    state, capture = Mlp(), Capture()
+    for i in range(2):
+        with capture.step():
+            state.step(i)
+    clone = copy.deepcopy(state.model)
+    assert all(torch.equal(a, b) for a, b in zip(clone.parameters(), state.model.parameters()))
