@@ -1,6 +1,7 @@
 """Step time of coexec vs eager for the example programs, and where co-executed steps spend it.
 
-    python bench/coexec_steps.py [--steps 20] [--programs static_mlp,resnet] [--out bench/out]
+    python bench/coexec_steps.py [--steps 20] [--programs static_mlp,resnet] [--backend native]
+                                 [--out bench/out]
 
 Per program, one eager instance and one coexec instance run side by side in one process,
 alternating step by step after a warm-up (eager: 3 steps; coexec: until it co-executes, plus
@@ -13,6 +14,9 @@ alternating step by step after a warm-up (eager: 3 steps; coexec: until it co-ex
 * the Terra Fig. 3.11 breakdown of co-executed steps, as shares of step wall time: skeleton
   busy, skeleton stalled on fetches (and the end-of-step sync), executor busy, executor idle
   (waiting for the skeleton to issue ops: Terra's "stalled on feed/select").
+
+``--backend native`` times ``GradientTape(backend="native")`` (executor/capture.py: the ops
+answered in C++, computed by a C++ worker; the executor columns are that worker's).
 
 Writes ``coexec_steps.md`` (the table) and ``coexec_breakdown.png`` (Fig. 3.11-style bars) to
 ``--out``.
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coexec  # noqa: E402
 from common import markdown_table, pyplot  # noqa: E402
 from examples.programs import BY_NAME, PROGRAMS  # noqa: E402
+from executor import native  # noqa: E402
 
 
 def co_step(tape: coexec.GradientTape, program, i: int) -> float:
@@ -45,9 +50,9 @@ def co_step(tape: coexec.GradientTape, program, i: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(name: str, steps: int) -> dict:
+def measure(name: str, steps: int, backend: str = "interpret") -> dict:
     eager, co = BY_NAME[name](0), BY_NAME[name](0)
-    tape = coexec.GradientTape(key=("bench", name))
+    tape = coexec.GradientTape(key=("bench", name), backend=backend)
     i = 0
     for _ in range(3):
         eager.step(i)
@@ -116,17 +121,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--programs", default=",".join(p.name for p in PROGRAMS))
+    ap.add_argument("--backend", default="interpret", choices=coexec.tape.BACKENDS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "out"))
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.backend == "native" and native.wait() is None:
+        raise SystemExit("the native module is not available")
     out = Path(args.out)
     os.makedirs(out, exist_ok=True)
     rows = []
     for name in args.programs.split(","):
-        rows.append(measure(name, args.steps))
+        rows.append(measure(name, args.steps, args.backend))
         print(f"measured {name}", file=sys.stderr, flush=True)
     text = (
-        f"torch {torch.__version__}, 1 intra-op thread, {args.steps} measured steps per program, "
+        f"torch {torch.__version__}, backend {args.backend}, 1 intra-op thread, "
+        f"{args.steps} measured steps per program, "
         f"medians\n\n{markdown_table(rows)}\n"
     )
     print(text)

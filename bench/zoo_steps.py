@@ -1,12 +1,13 @@
 """Step time of the zoo under coexec against eager, on any device, paired in one process.
 
     python bench/zoo_steps.py [--models resnet50,gpt2-6l] [--batch 16] [--device cuda] [--pairs 10]
-                              [--threads 1] [--deterministic] [--compile] [--out bench/out]
+                              [--threads 1] [--deterministic] [--compile] [--native] [--out bench/out]
 
 Per zoo model, copies from the same seed train side by side, each on its own random stream:
 one eagerly, one under ``coexec.GradientTape()`` (the default: planned blocks and, on a CPU, the
 arena), one under ``GradientTape(arena=False)`` (no plan: ops run as issued) and, with
-``--compile``, one whose model is ``torch.compile``d (the baseline users would pick instead).
+``--compile``, one whose model is ``torch.compile``d (the baseline users would pick instead), and
+with ``--native`` one under ``GradientTape(backend="native")`` (executor/capture.py; CPU only).
 After warm-up (coexec: until it co-executes and its plan arrived) they take ``--pairs`` steps in
 turn; on a GPU every step ends with ``torch.cuda.synchronize()``, so a step's time includes its
 kernels. Columns (medians over the pairs):
@@ -18,6 +19,8 @@ kernels. Columns (medians over the pairs):
   (issue 16 asks for at most 0.5);
 * ``stall ms``: the skeleton waiting on the executor (fetches and the end of the step); and
   both for the copy without a plan (``unplanned skeleton ms``, ``unplanned stall ms``);
+* ``native/eager``, ``native skeleton/eager``, ``native max |diff|`` (with ``--native``): the
+  same for the native backend;
 * ``native ops``, ``gradient blocks``, ``templated calls``: of the latest co-executed step;
 * ``max |diff|``: the largest difference between the eager and coexec copies' parameters and
   losses after the run (0: bit-equal).
@@ -72,7 +75,9 @@ def timed(step) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t0, out
 
 
-def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too: bool) -> dict:
+def measure(
+    name: str, batch: int, device: torch.device, pairs: int, compile_too: bool, native_too: bool = False
+) -> dict:
     eager, co, loose = (on_device(ZOO[name](batch), device) for _ in range(3))
     tape = coexec.GradientTape(key=("zoo-steps", name, batch, str(device)))
     loose_tape = coexec.GradientTape(key=("zoo-steps", name, batch, str(device), "unplanned"), arena=False)
@@ -90,6 +95,15 @@ def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too
         "coexec": coexec_step,
         "unplanned": unplanned_step,
     }
+    if native_too:
+        captured = on_device(ZOO[name](batch), device)
+        native_tape = coexec.GradientTape(key=("zoo-steps", name, batch, str(device), "native"), backend="native")
+
+        def native_step() -> torch.Tensor:
+            with native_tape:
+                return captured.step()
+
+        steps["native"] = native_step
     if compile_too:
         compiled = on_device(ZOO[name](batch), device)
         compiled.model = torch.compile(compiled.model)
@@ -110,10 +124,11 @@ def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too
     for k, f in steps.items():  # the first step on the plan
         losses[k].append(f())
     times: dict[str, list[float]] = {k: [] for k in steps}
-    busy, loose_busy = [], []
+    busy, loose_busy, native_busy = [], [], []
     for _ in range(pairs):
         for k, f in steps.items():
             stall, loose_stall = tape.stats.stall_seconds, loose_tape.stats.stall_seconds
+            native_stall = native_tape.stats.stall_seconds if native_too else 0.0
             t, loss = timed(f)
             times[k].append(t)
             losses[k].append(loss)
@@ -121,15 +136,20 @@ def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too
                 busy.append(t - (tape.stats.stall_seconds - stall))
             elif k == "unplanned":
                 loose_busy.append(t - (loose_tape.stats.stall_seconds - loose_stall))
+            elif k == "native":
+                native_busy.append(t - (native_tape.stats.stall_seconds - native_stall))
     e = times["eager"]
     s = tape.stats
-    diff = max(
-        max((a.float() - b.float()).abs().max().item() for a, b in zip(losses["eager"], losses["coexec"])),
-        max(
-            (a.float() - b.float()).abs().max().item() if a.is_floating_point() else float(not torch.equal(a, b))
-            for a, b in zip(eager.model.state_dict().values(), co.model.state_dict().values())
-        ),
-    )
+
+    def diff(copy: str, model: torch.nn.Module) -> float:
+        return max(
+            max((a.float() - b.float()).abs().max().item() for a, b in zip(losses["eager"], losses[copy])),
+            max(
+                (a.float() - b.float()).abs().max().item() if a.is_floating_point() else float(not torch.equal(a, b))
+                for a, b in zip(eager.model.state_dict().values(), model.state_dict().values())
+            ),
+        )
+
     row = {
         "model": name,
         "batch": batch,
@@ -143,6 +163,10 @@ def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too
         print(f"{name}: backward() ran the autograd engine: {'; '.join(why.values())}", file=sys.stderr)
     if compile_too:
         row["compile/eager"] = statistics.median(c / x for c, x in zip(times["compile"], e))
+    if native_too:
+        row["native/eager"] = statistics.median(c / x for c, x in zip(times["native"], e))
+        row["native skeleton/eager"] = statistics.median(b / x for b, x in zip(native_busy, e))
+        row["native max |diff|"] = diff("native", captured.model)
     row.update({
         "skeleton ms": 1e3 * statistics.median(busy),
         "skeleton/eager": statistics.median(b / x for b, x in zip(busy, e)),
@@ -152,7 +176,7 @@ def measure(name: str, batch: int, device: torch.device, pairs: int, compile_too
         "native ops": getattr(s, "native_ops", 0),  # (older checkouts: not counted)
         "gradient blocks": s.gradient_blocks,
         "templated calls": s.templated_calls,
-        "max |diff|": diff,
+        "max |diff|": diff("coexec", co.model),
     })  # fmt: skip
     return row
 
@@ -164,6 +188,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--pairs", type=int, default=10, help="steps of each copy, in turn")
     ap.add_argument("--compile", action="store_true", help="also time a torch.compile'd copy")
+    ap.add_argument("--native", action="store_true", help='also time GradientTape(backend="native")')
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     ap.add_argument(
         "--deterministic", action="store_true",
@@ -194,7 +219,7 @@ def main() -> None:
         if name not in ZOO:
             raise SystemExit(f"unknown model {name!r}; the zoo has {', '.join(ZOO)}")
         try:
-            rows.append(measure(name, args.batch, device, args.pairs, args.compile))
+            rows.append(measure(name, args.batch, device, args.pairs, args.compile, args.native))
         except Exception as e:  # noqa: BLE001 - one model's failure must not lose the others' rows
             traceback.print_exc(limit=-30)
             print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -203,7 +228,8 @@ def main() -> None:
     if not rows:
         raise SystemExit("no model ran")
     lines = [markdown_table(rows), ""]
-    for col in ("coexec/eager", "unplanned/eager", "compile/eager", "skeleton/eager"):
+    for col in ("coexec/eager", "unplanned/eager", "compile/eager", "native/eager", "skeleton/eager",
+                "native skeleton/eager"):  # fmt: skip
         if col in rows[0]:
             lines.append(f"{col}: geometric mean {statistics.geometric_mean([r[col] for r in rows]):.2f}")
     text = "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Process-wide runtime state: the executor thread, open sessions, the optimizer hook."""
+"""Process-wide runtime state: the executor thread, the capture of native-backend steps, open
+sessions, the optimizer hook."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from executor import Executor, NativeExecutor, make_executor, native
 from .placeholder import Placeholder
 
 if TYPE_CHECKING:
+    from executor.capture import Capture
+
     from .skeleton import Session, Skeleton
 
 EXIT_TIMEOUT = 10.0  # seconds the interpreter's exit waits for the executor's last work
@@ -23,6 +26,7 @@ _executors: dict[bool, Executor | NativeExecutor] = {}
 _last: Executor | NativeExecutor | None = None  # the one the latest step ran on
 _local = threading.local()  # .skeleton: the skeleton running in this thread, if any
 open_sessions: list[tuple["Session", list, list]] = []  # sessions a lazy step left running
+_capture: "Capture | None" = None  # GradientTape(backend="native")'s, made on first use
 
 
 def executor(budget: bool = False) -> Executor | NativeExecutor:
@@ -34,8 +38,7 @@ def executor(budget: bool = False) -> Executor | NativeExecutor:
     with _lock:
         ex = _executors.get(python)
         if ex is None:
-            if not _executors:
-                atexit.register(_stop_at_exit)
+            _stop_at_exit_once()
             ex = _executors[python] = make_executor(budget=python)
         last, _last = _last, ex
     if last is not None and last is not ex and last.alive and last.error is None:
@@ -43,17 +46,50 @@ def executor(budget: bool = False) -> Executor | NativeExecutor:
     return ex
 
 
+def capture() -> "Capture | None":
+    """The capture native-backend steps run under, made on first use; None while the native
+    module is not built (it starts building: those steps run eagerly meanwhile). Work the
+    executor of an earlier step still has in flight finishes first."""
+    global _capture, _last
+    if native.ready() is None:
+        return None
+    if _last is not None or open_sessions:
+        synchronize()
+        _last = None
+    with _lock:
+        if _capture is None:
+            from executor.capture import Capture
+
+            _stop_at_exit_once()
+            _capture = Capture()
+    return _capture
+
+
 def executors() -> list[Executor | NativeExecutor]:
     """The executors started so far."""
     return list(_executors.values())
+
+
+_exit_registered = False
+
+
+def _stop_at_exit_once() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_stop_at_exit)
 
 
 def _stop_at_exit() -> None:
     """Let the executors finish and stop before the interpreter tears down: a thread still in
     torch while C++ statics are destroyed aborts the process ("terminate called without an
     active exception", exit status 134; seen in about 4 of 10 exits after a budgeted step)."""
+    global _capture
     for ex in executors():
         ex.close(timeout=EXIT_TIMEOUT)
+    if _capture is not None:
+        _capture.close()  # (its worker thread joins)
+        _capture = None
 
 
 def active_skeleton() -> "Skeleton | None":

@@ -44,7 +44,7 @@ from .skeleton import Session, Skeleton, raise_executor_error
 PHASES = ("tracing", "coexec", "eager")
 REASONS = 10  # fallback / new-trace reasons kept per program (TapeStats.fallback_reasons)
 SYNC_POLICIES = ("step", "none")
-BACKENDS = ("interpret",)
+BACKENDS = ("interpret", "native")
 
 
 @dataclass
@@ -292,7 +292,11 @@ class GradientTape:
     Options: ``max_traces`` (new traces after which the program stays eager), ``sync``
     (``"step"``: wait for the step's work when the block exits, the default; ``"none"``: let it
     run on, call :func:`coexec.synchronize` before reading model state outside a step),
-    ``backend`` (``"interpret"``), ``timeout`` (seconds any wait on the executor may take
+    ``backend`` (``"interpret"``, the default: traced into a TraceGraph, co-executed by the
+    Python skeleton with plans; ``"native"``: every step's ATen ops answered by a C++ kernel
+    and computed by a C++ worker, ``executor/capture.py``; no TraceGraph, plans, arena or
+    budget yet, steps run eagerly until the native module is built; docs/coexec.md,
+    *Capture*), ``timeout`` (seconds any wait on the executor may take
     before it becomes an error), ``debug`` (print phase changes, fallbacks and budget plans to stderr),
     ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can
@@ -333,6 +337,8 @@ class GradientTape:
             raise ValueError(f"sync must be one of {SYNC_POLICIES}, got {sync!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}")
+        if backend == "native":
+            _check_native_options(sync, arena, memory_budget, offload)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not timeout > 0:
@@ -360,7 +366,7 @@ class GradientTape:
         self.offload = offload
         if arena is not None and not isinstance(arena, bool):
             raise TypeError(f"arena must be True, False or None (on without a budget), got {arena!r}")
-        self.arena = self.memory_budget is None if arena is None else arena
+        self.arena = self.memory_budget is None and backend != "native" if arena is None else arena
         self._thread = threading.get_ident()
         self._program: Program | None = None
         self._step: _Step | None = None
@@ -385,6 +391,10 @@ class GradientTape:
         else:
             programs.touch(program)
         self._program = program
+        if self.backend == "native":
+            self._step = _NativeStep(program, fam)
+            _local.tape = self
+            return self
         self._plan(program)
         self._step = _Step(self, program, frame, fam)
         _local.tape = self
@@ -588,6 +598,69 @@ class _TracingRecorder(Recorder):
 
 class _ProgramSkeleton(Skeleton):
     on_external = staticmethod(_meet)
+
+
+def _check_native_options(sync: str, arena: bool | None, memory_budget: Any, offload: bool | None) -> None:
+    """The options the native backend cannot honour yet say so, rather than being ignored."""
+    unplanned = "the native backend does not follow plans yet (issue 16); backend='interpret' does"
+    if memory_budget is not None:
+        raise ValueError(f"memory_budget: {unplanned}")
+    if arena:
+        raise ValueError(f"arena=True: {unplanned}")
+    if offload:
+        raise ValueError(f"offload=True: {unplanned}")
+    if sync != "step":
+        raise ValueError("sync='none': a native-backend step always ends with its values computed")
+
+
+class _NativeStep:
+    """One run of a ``with`` block of a native-backend tape: captured (``executor/capture.py``),
+    or eagerly while the native module is being built."""
+
+    why = None  # (it never falls back: an op the capture cannot answer runs at once)
+    rec = None
+
+    def __init__(self, program: Program, family: Any) -> None:
+        self.program = program
+        self.family = family
+        self.capture = runtime.capture()
+        self.phase = "eager" if self.capture is None else "coexec"
+        self.t0 = time.perf_counter()
+        self.c0 = None
+        self.scope = None
+        if self.capture is not None:
+            self.c0 = self.capture.counters
+            self.scope = self.capture.step()
+            self.scope.__enter__()
+
+    def end(self, error: BaseException | None) -> None:
+        """The step's end: its values computed, a failure on the worker raised (unless the step
+        raised already), the program's statistics updated."""
+        try:
+            if self.scope is not None:
+                if error is None:
+                    self.scope.__exit__(None, None, None)
+                else:
+                    self.scope.__exit__(type(error), error, error.__traceback__)
+        finally:
+            self._count()
+
+    def _count(self) -> None:
+        s = self.program.stats
+        seconds = time.perf_counter() - self.t0
+        s.steps += 1
+        s.last_phase = self.phase
+        s.phase = "coexec"
+        s.seconds[self.phase] += seconds
+        if self.capture is None:
+            return
+        c0, c = self.c0, self.capture.counters
+        s.coexec_steps += 1
+        s.step_seconds = seconds
+        s.last_ops = c.ops - c0.ops
+        s.native_ops = s.last_ops - (c.run_now - c0.run_now)
+        s.stall_seconds += c.wait_seconds - c0.wait_seconds
+        s.executor_seconds += c.worker_seconds - c0.worker_seconds
 
 
 class _Step:

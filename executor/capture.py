@@ -31,7 +31,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -57,6 +58,8 @@ class CaptureCounters:
     run_now: int  # ops run at once (misses, ``.item()``-like ops, data-dependent shapes)
     kernel_seconds: float  # time in the kernel itself
     taped: int  # ops on the tape ("replay" mode: not replayed yet)
+    wait_seconds: float  # the step's thread waiting for the worker (reads, ops run at once, ends)
+    worker_seconds: float  # the worker running ops
 
 
 class Capture:
@@ -83,7 +86,7 @@ class Capture:
         """Capture the ops this thread runs inside the ``with`` block."""
         self._c.begin()
         try:
-            with _waiting_on(self._c):
+            with _waiting().during(self._c):
                 yield
         except BaseException:
             with contextlib.suppress(Exception):  # (the step's own error is the one to see)
@@ -97,8 +100,10 @@ class Capture:
 
     @property
     def counters(self) -> CaptureCounters:
-        ops, misses, run_now, kernel_ns, taped = self._c.counters
-        return CaptureCounters(ops, misses, run_now, kernel_ns * 1e-9, taped)
+        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns = self._c.counters
+        return CaptureCounters(
+            ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9
+        )
 
     def close(self) -> None:
         """Stop the worker thread now (it also stops when the capture is collected)."""
@@ -111,40 +116,54 @@ def is_placeholder(t: torch.Tensor) -> bool:
     return built is not None and built.is_placeholder(t)
 
 
-@contextlib.contextmanager
-def _waiting_on(c) -> Iterator[None]:
-    """Wrap what reads memory or the CPU generator outside the dispatcher so that it waits for
-    the worker first (and runs with capture paused)."""
-    saved: list[tuple[object, str, object]] = []
+class _Waiting:
+    """The wrapped Tensor methods and generator functions (made once, put in place for each
+    step): in the thread whose step is captured they wait for the worker first and run with
+    capture paused; elsewhere they are the originals."""
 
-    def wrap(owner: object, name: str, wait: Callable[[tuple], None]) -> None:
+    def __init__(self) -> None:
+        self.capture = None  # the native capture whose step runs
+        self.thread = 0
+        self.swaps: list[tuple[object, str, object, object]] = []  # owner, name, original, wrapper
+        for name in _DATA_ACCESS:
+            self._wrap(torch.Tensor, name, realize_first=True)
+        for name in _RANDOM:
+            self._wrap(torch, name, realize_first=False)
+            self._wrap(torch.random, name, realize_first=False)
+
+    def _wrap(self, owner: object, name: str, realize_first: bool) -> None:
         original = getattr(owner, name)
 
         @functools.wraps(original)
         def waiting(*args, **kwargs):
-            wait(args)
+            c = self.capture
+            if c is None or threading.get_ident() != self.thread:
+                return original(*args, **kwargs)
+            if realize_first:
+                c.realize(args[0])
+            else:
+                c.wait()
             c.pause()
             try:
                 return original(*args, **kwargs)
             finally:
                 c.resume()
 
-        saved.append((owner, name, original))
-        setattr(owner, name, waiting)
+        self.swaps.append((owner, name, original, waiting))
 
-    def realize_self(args: tuple) -> None:
-        c.realize(args[0])
+    @contextlib.contextmanager
+    def during(self, c) -> Iterator[None]:
+        self.capture, self.thread = c, threading.get_ident()
+        for owner, name, _, wrapper in self.swaps:
+            setattr(owner, name, wrapper)
+        try:
+            yield
+        finally:
+            for owner, name, original, _ in self.swaps:
+                setattr(owner, name, original)
+            self.capture = None
 
-    def drain(_args: tuple) -> None:
-        c.wait()
 
-    for name in _DATA_ACCESS:
-        wrap(torch.Tensor, name, realize_self)
-    for name in _RANDOM:
-        wrap(torch, name, drain)
-        wrap(torch.random, name, drain)
-    try:
-        yield
-    finally:
-        for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+@functools.cache
+def _waiting() -> _Waiting:
+    return _Waiting()

@@ -497,6 +497,9 @@ class Worker {
     return {failed_at_, error_};
   }
 
+  // nanoseconds the worker spent running ops
+  int64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
+
   void clear_error() {
     std::lock_guard<std::mutex> g(mu_);
     failed_at_ = -1;
@@ -509,7 +512,8 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<TapeEntry> queue_;
-  std::atomic<int64_t> pushed_{0}, done_{0};
+  std::atomic<int64_t> pushed_{0}, done_{0}, busy_ns_{0};
+  int64_t taken_ = 0;  // (the worker's own count of ops popped)
   std::atomic<bool> failed_{false};  // ops after a failure are dropped until clear_error()
   int64_t failed_at_ = -1;
   std::string error_;
@@ -517,24 +521,21 @@ class Worker {
   bool draining_ = false;  // a drain sleeps: the op that ends it must say so
   std::thread thread_;
 
+  // The next op: polled for without the lock (the skeleton pushes under it), then slept for.
   TapeEntry next() {
     const auto until = std::chrono::steady_clock::now() + kSpin;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> g(mu_);
-        if (queue_.empty() && std::chrono::steady_clock::now() > until) {
-          idle_ = true;
-          cv_.wait(g, [this] { return !queue_.empty(); });
-          idle_ = false;
-        }
-        if (!queue_.empty()) {
-          TapeEntry e = std::move(queue_.front());
-          queue_.pop_front();
-          return e;
-        }
-      }
+    while (pushed_.load(std::memory_order_acquire) == taken_ && std::chrono::steady_clock::now() < until)
       std::this_thread::yield();
+    std::unique_lock<std::mutex> g(mu_);
+    if (queue_.empty()) {
+      idle_ = true;
+      cv_.wait(g, [this] { return !queue_.empty(); });
+      idle_ = false;
     }
+    TapeEntry e = std::move(queue_.front());
+    queue_.pop_front();
+    ++taken_;
+    return e;
   }
 
   void loop() {
@@ -547,8 +548,12 @@ class Worker {
       TapeEntry e = next();
       if (e.op == nullptr) return;
       if (!failed_.load(std::memory_order_acquire)) {
+        const auto t0 = std::chrono::steady_clock::now();
         try {
           run_entry(e);
+          busy_ns_.fetch_add(
+              std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+              std::memory_order_relaxed);
         } catch (const std::exception& ex) {
           std::lock_guard<std::mutex> g(mu_);
           failed_at_ = e.index;
@@ -676,7 +681,7 @@ class Capture {
 
   // The worker catches up (a failure is raised).
   void wait() {
-    if (worker_) worker_->drain();
+    drain();
     raise_failure();
   }
 
@@ -701,9 +706,13 @@ class Capture {
     return n;
   }
 
-  // ops seen, misses (answered by running them, or by meta kernels where nothing is computed), ops run at
-  // once, nanoseconds in the kernel, ops the tape holds
-  py::tuple counters() const { return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size()); }
+  // ops seen, misses (answered by running them, or by meta kernels where nothing is computed),
+  // ops run at once, nanoseconds in the kernel, ops the tape holds, nanoseconds waiting for the
+  // worker, nanoseconds the worker ran ops
+  py::tuple counters() const {
+    return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
+                          worker_ ? worker_->busy_ns() : int64_t(0));
+  }
 
   bool stepping() const { return stepping_; }
 
@@ -724,7 +733,15 @@ class Capture {
   std::vector<TapeEntry> tape_;                          // replay and tape modes
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> made_;  // this step's placeholders
   std::vector<std::pair<PyObject*, int>> places_;  // per op of the step: its code object (owned), offset
-  int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0;
+  int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
+
+  // Wait for the worker, counting the time.
+  void drain() {
+    if (!worker_) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    worker_->drain();
+    wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  }
 
   static void set_included(c10::DispatchKeySet included) {
     auto tls = c10::impl::tls_local_dispatch_key_set();
@@ -737,7 +754,7 @@ class Capture {
     stepping_ = false;
     paused_ = 0;
     g_active.store(nullptr);
-    if (worker_) worker_->drain();
+    drain();
     if (mode_ != Mode::kTape)
       for (auto& weak : made_) {
         auto impl = weak.lock();
@@ -816,7 +833,7 @@ void Capture::run_now(const c10::OperatorHandle& op, const Key& key, std::vector
   const auto& schema = op.schema();
   const size_t nret = schema.returns().size();
   ++run_now_;
-  if (worker_) worker_->drain();
+  drain();
   raise_failure();
   for (const c10::IValue& a : args) stack->push_back(map_tensors(a, real_of));
   {

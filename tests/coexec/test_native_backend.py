@@ -1,0 +1,145 @@
+"""``GradientTape(backend="native")``: steps captured by executor/capture.py train bit-equal to
+eager (the example programs, those whose sizes change, ``tape.gradient``), count in the tape's
+statistics, raise what the step raised, and run eagerly while the native module is not built."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import coexec
+from examples.dynamic_programs import DYNAMIC_PROGRAMS
+from examples.programs import PROGRAMS
+from executor import native
+from executor.capture import is_placeholder
+from tests.coexec.helpers import assert_same_as_eager, train_step
+
+pytestmark = pytest.mark.skipif(
+    not native.enabled(), reason="the native backend needs the native module"
+)
+
+STEPS = 10
+
+
+@pytest.mark.parametrize("program", PROGRAMS, ids=[p.name for p in PROGRAMS])
+def test_program_is_bit_equal_to_eager(program) -> None:
+    tape = assert_same_as_eager(lambda: program(0), lambda p, i: p.step(i), STEPS, backend="native")
+    s = tape.stats
+    assert (s.steps, s.coexec_steps, s.traces, s.fallbacks) == (STEPS, STEPS, 0, 0)
+    assert s.last_phase == "coexec" and 0 < s.native_ops <= s.last_ops
+
+
+@pytest.mark.parametrize("program", DYNAMIC_PROGRAMS, ids=[p.name for p in DYNAMIC_PROGRAMS])
+def test_program_whose_sizes_change_is_bit_equal_to_eager(program) -> None:
+    """Each new size is a miss, run at once as eager; no trace limit to reach."""
+    tape = assert_same_as_eager(lambda: program(0), lambda p, i: p.step(i), 12, backend="native")
+    assert tape.stats.coexec_steps == 12
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 2))
+    data = [(torch.randn(8, 6), torch.randn(8, 2)) for _ in range(3)]
+    return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=0.01), "data": data}
+
+
+def test_tape_gradient_is_bit_equal_to_eager() -> None:
+    def step(state: dict, i: int, tape: coexec.GradientTape | None = None) -> torch.Tensor:
+        model, opt = state["model"], state["opt"]
+        x, y = state["data"][i % 3]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if tape is None:
+            for p, g in zip(
+                model.parameters(), torch.autograd.grad(loss, list(model.parameters()))
+            ):
+                p.grad = g
+        else:
+            tape.gradient(loss, model.parameters())
+        opt.step()
+        return loss
+
+    eager, captured = _state(), _state()
+    tape = coexec.GradientTape(backend="native", key=("native", "gradient"))
+    for i in range(4):
+        want = step(eager, i)
+        with tape:
+            got = step(captured, i, tape)
+        assert got.item() == want.item()
+    for a, b in zip(eager["model"].parameters(), captured["model"].parameters()):
+        assert torch.equal(a, b) and torch.equal(a.grad, b.grad) and not is_placeholder(b.grad)
+
+
+def test_an_error_in_the_step_is_raised_unchanged_and_the_next_step_runs() -> None:
+    state = _state()
+    tape = coexec.GradientTape(backend="native", key=("native", "error"))
+    with tape:
+        train_step(state, 0)
+    with pytest.raises(KeyError, match="boom"), tape:
+        train_step(state, 1)
+        raise KeyError("boom")
+    with tape:
+        loss = train_step(state, 2)
+    assert torch.isfinite(loss) and tape.stats.steps == 3
+
+
+def _gather(w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.index_select(w, 0, index)
+
+
+def test_a_failure_on_the_worker_names_the_line() -> None:
+    w = torch.randn(5, 2)
+    tape = coexec.GradientTape(backend="native", key=("native", "worker failure"))
+    with tape:
+        _gather(w, torch.tensor([0, 1]))
+    line = _gather.__code__.co_firstlineno + 1
+    with (
+        pytest.raises(RuntimeError, match=rf"test_native_backend\.py:{line} in _gather\): .*index"),
+        tape,
+    ):
+        _gather(w, torch.tensor([0, 7]))
+
+
+def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None:
+    monkeypatch.setattr(native, "ready", lambda: None)
+    state = _state()
+    tape = coexec.GradientTape(backend="native", key=("native", "not built"))
+    with tape:
+        loss = train_step(state, 0)
+    assert not is_placeholder(loss)
+    s = tape.stats
+    assert (s.steps, s.coexec_steps, s.last_phase) == (1, 0, "eager")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"memory_budget": "1GB"}, "memory_budget: the native backend does not follow plans yet"),
+        ({"arena": True}, "arena=True: the native backend does not follow plans yet"),
+        ({"offload": True}, "offload=True: the native backend does not follow plans yet"),
+        (
+            {"sync": "none"},
+            "sync='none': a native-backend step always ends with its values computed",
+        ),
+    ],
+)
+def test_options_the_native_backend_cannot_honour_say_so(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        coexec.GradientTape(backend="native", **options)
+
+
+def test_native_and_interpreted_steps_of_one_model_keep_their_order() -> None:
+    """An interpreted step left running (``sync="none"``) finishes before a native step starts:
+    both update the same parameters."""
+    eager, mixed = _state(), _state()
+    lazy = coexec.GradientTape(sync="none", key=("native", "mixed lazy"))
+    captured = coexec.GradientTape(backend="native", key=("native", "mixed native"))
+    for i in range(6):
+        train_step(eager, i)
+        with lazy if i % 2 else captured:
+            train_step(mixed, i)
+    coexec.synchronize()
+    for a, b in zip(eager["model"].parameters(), mixed["model"].parameters()):
+        assert torch.equal(a, b)
