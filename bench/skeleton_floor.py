@@ -11,6 +11,8 @@ Rows (microseconds per ATen op of the step, median over repeats of 10-step block
   skeleton built on Python modes pays at least this (plus placeholders and autograd on them).
 * record: eager plus tracegraph recording (the tracing phase).
 * coexec: a co-executed step (skeleton plus the executor thread, which shares the GIL).
+* native backend: a step of ``GradientTape(backend="native")`` (executor/capture.py: every op
+  answered by a C++ kernel, computed by a C++ worker).
 
 A second table times one kind of call alone: 200 ``p.add_(g, alpha=-0.01)`` under ``no_grad``
 (an optimizer's update, issued from a call template under coexec: coexec/calls.py), per call,
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import coexec  # noqa: E402
+from executor import native  # noqa: E402
 from tracegraph import record  # noqa: E402
 
 
@@ -98,6 +101,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if native.wait() is None:
+        raise SystemExit("the native module is not available (the native backend's rows need it)")
     step = make()
     with record() as trace:
         step()
@@ -117,11 +122,18 @@ def main() -> None:
         with tape:
             step()
 
+    native_tape = coexec.GradientTape(key="skeleton-floor-native", backend="native")
+
+    def co_native() -> None:
+        with native_tape:
+            step()
+
     rows = [
         ("eager", per_op(step, ops, args.repeats)),
         ("interception (pass-through modes)", per_op(floor, ops, args.repeats)),
         ("record (tracing phase)", per_op(recorded, ops, args.repeats)),
         ("coexec (co-executed step)", per_op(co, ops, args.repeats)),
+        ("native backend (co-executed step)", per_op(co_native, ops, args.repeats)),
     ]
     assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0, tape.stats
     print(f"tiny MLP step, {ops} ATen ops, torch {torch.__version__}, 1 thread\n")
@@ -136,7 +148,17 @@ def main() -> None:
         with up_tape:
             update()
 
-    rows = [("eager", per_op(update, calls, args.repeats)), ("coexec", per_op(co_update, calls, args.repeats))]
+    native_up_tape = coexec.GradientTape(key="skeleton-floor-updates-native", backend="native")
+
+    def native_update() -> None:
+        with native_up_tape:
+            update()
+
+    rows = [
+        ("eager", per_op(update, calls, args.repeats)),
+        ("coexec", per_op(co_update, calls, args.repeats)),
+        ("native backend", per_op(native_update, calls, args.repeats)),
+    ]
     assert up_tape.stats.templated_calls == calls, up_tape.stats
     print(f"\n{calls} no-grad p.add_(g, alpha=-0.01) calls, one step\n")
     print("| step | us/call | x eager |\n|---|---|---|")

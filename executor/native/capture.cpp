@@ -127,6 +127,10 @@ struct TensorMeta {
   int64_t offset = 0;
   c10::ScalarType dtype = c10::ScalarType::Undefined;  // Undefined: an undefined tensor
 
+  bool operator==(const TensorMeta& o) const {
+    return dtype == o.dtype && offset == o.offset && sizes == o.sizes && strides == o.strides;
+  }
+
   bool same(const at::Tensor& t) const {
     return t.scalar_type() == dtype && t.sizes().equals(sizes) && t.strides().equals(strides) &&
            t.storage_offset() == offset;
@@ -259,40 +263,37 @@ bool has_tensor(const c10::IValue& iv) {
   return any;
 }
 
+bool any_tensor(const std::vector<c10::IValue>& args) {
+  for (const auto& a : args)
+    if (has_tensor(a)) return true;
+  return false;
+}
+
 // The arguments that are not tensors (a view's shape, a slice's bounds, a dtype) are as much a
 // part of what an op makes as its inputs' metadata. A number (Scalar, float: an alpha, a learning
 // rate, Adam's step size) counts by its kind only where the op has tensor inputs: type promotion
 // reads the kind, no output's shape reads the value, and such values change from step to step.
 // A factory's numbers (``arange``'s end) make its shape, so there they count by value.
+// Argument ``i`` as the cache keeps it (``tensors``: the op has tensor inputs; a tensor: None).
+c10::IValue const_of(const c10::FunctionSchema& schema, size_t i, const c10::IValue& iv, bool tensors) {
+  if (has_tensor(iv)) return c10::IValue();
+  if (!tensors || !(iv.isDouble() || iv.isInt() || iv.isComplexDouble() || iv.isBool())) return iv;
+  auto kind = schema.arguments()[i].type()->kind();
+  if (kind == c10::TypeKind::OptionalType)
+    kind = schema.arguments()[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind();
+  if (kind != c10::TypeKind::NumberType && kind != c10::TypeKind::FloatType && kind != c10::TypeKind::ComplexType)
+    return iv;
+  if (iv.isDouble()) return 0.0;
+  if (iv.isInt()) return int64_t(0);
+  if (iv.isComplexDouble()) return c10::complex<double>(0, 0);
+  return false;
+}
+
 std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
-  bool tensors = false;
-  for (const auto& a : args) tensors = tensors || has_tensor(a);
+  const bool tensors = any_tensor(args);
   std::vector<c10::IValue> out;
   out.reserve(args.size());
-  for (size_t i = 0; i < args.size(); ++i) {
-    const c10::IValue& iv = args[i];
-    if (has_tensor(iv)) {
-      out.emplace_back();
-      continue;
-    }
-    auto kind = schema.arguments()[i].type()->kind();
-    if (kind == c10::TypeKind::OptionalType)
-      kind = schema.arguments()[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind();
-    const bool number =
-        tensors && (kind == c10::TypeKind::NumberType || kind == c10::TypeKind::FloatType ||
-                    kind == c10::TypeKind::ComplexType);
-    if (number && iv.isDouble()) {
-      out.emplace_back(0.0);
-    } else if (number && iv.isInt()) {
-      out.emplace_back(int64_t(0));
-    } else if (number && iv.isComplexDouble()) {
-      out.emplace_back(c10::complex<double>(0, 0));
-    } else if (number && iv.isBool()) {
-      out.emplace_back(false);
-    } else {
-      out.push_back(iv);
-    }
-  }
+  for (size_t i = 0; i < args.size(); ++i) out.push_back(const_of(schema, i, args[i], tensors));
   return out;
 }
 
@@ -307,6 +308,8 @@ bool same_const(const c10::IValue& a, const c10::IValue& b) {
   }
   if (a.isIntList()) return a.toIntVector() == b.toIntVector();
   if (a.isGenerator()) return true;  // (which generator makes values, not shapes)
+  if (a.isString()) return a.toStringRef() == b.toStringRef();
+  if (a.isDevice()) return a.toDevice() == b.toDevice();
   std::ostringstream x, y;  // strings, devices, dtypes, scalars, other lists: as printed
   x << a;
   y << b;
@@ -331,9 +334,9 @@ bool matches(const Entry& e, const c10::FunctionSchema& schema, const std::vecto
     if (!same) return false;
   }
   if (k != e.inputs.size()) return false;
-  auto got = consts_of(schema, args);
-  for (size_t i = 0; i < got.size(); ++i)
-    if (!same_const(got[i], e.consts[i])) return false;
+  const bool tensors = !e.inputs.empty() || any_tensor(args);
+  for (size_t i = 0; i < args.size(); ++i)
+    if (!has_tensor(args[i]) && !same_const(const_of(schema, i, args[i], tensors), e.consts[i])) return false;
   return true;
 }
 
@@ -500,6 +503,17 @@ class Worker {
   // nanoseconds the worker spent running ops
   int64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
 
+  // Let go of the arguments Python holds too that the worker laid aside (bury): GIL held.
+  void exhume() {
+    if (!buried_.load(std::memory_order_acquire)) return;
+    std::vector<c10::IValue> dead;
+    {
+      std::lock_guard<std::mutex> g(grave_mu_);
+      dead.swap(grave_);
+      buried_.store(false, std::memory_order_release);
+    }
+  }
+
   void clear_error() {
     std::lock_guard<std::mutex> g(mu_);
     failed_at_ = -1;
@@ -517,9 +531,31 @@ class Worker {
   std::atomic<bool> failed_{false};  // ops after a failure are dropped until clear_error()
   int64_t failed_at_ = -1;
   std::string error_;
+  std::mutex grave_mu_;
+  std::vector<c10::IValue> grave_;  // arguments Python holds too, let go of under the GIL
+  std::atomic<bool> buried_{false};
   bool idle_ = false;      // the worker sleeps: a push must wake it
   bool draining_ = false;  // a drain sleeps: the op that ends it must say so
   std::thread thread_;
+
+  // An op's arguments that Python holds too (parameters, a batch) are not let go of here: the
+  // last reference beside Python's lets go of the Python object, which takes the GIL, and the
+  // skeleton holds it while it runs Python (every op would wait for it). The skeleton lets go of
+  // them where it holds the GIL anyway (Capture::locate).
+  void bury(TapeEntry& e) {
+    std::vector<c10::IValue> held;
+    for (Arg& a : e.args) {
+      bool python = false;
+      each_tensor(a.value, [&python](const at::Tensor& t) {
+        python = python || (t.defined() && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr);
+      });
+      if (python) held.push_back(std::move(a.value));
+    }
+    if (held.empty()) return;
+    std::lock_guard<std::mutex> g(grave_mu_);
+    for (auto& v : held) grave_.push_back(std::move(v));
+    buried_.store(true, std::memory_order_release);
+  }
 
   // The next op: polled for without the lock (the skeleton pushes under it), then slept for.
   TapeEntry next() {
@@ -561,6 +597,7 @@ class Worker {
           failed_.store(true, std::memory_order_release);
         }
       }
+      bury(e);
       e = TapeEntry();  // (its tensors go before the op counts as done)
       bool tell;
       {
@@ -622,6 +659,8 @@ void install() {
 // -- the capture -----------------------------------------------------------------------------
 
 enum class Mode { kAsync, kReplay, kTape };
+
+constexpr size_t kVariants = 16;  // cached variants per op and location
 
 class Capture {
  public:
@@ -728,7 +767,9 @@ class Capture {
   bool stepping_ = false;
   int paused_ = 0;
   c10::DispatchKeySet included_before_;
-  std::unordered_map<Key, Entry, KeyHash> cache_;
+  // per key, the variants seen (sizes that come back: a last batch, lengths drawn from a
+  // range), the latest last; at most kVariants, the oldest dropped first
+  std::unordered_map<Key, std::vector<Entry>, KeyHash> cache_;
   std::unordered_map<Where, int64_t, WhereHash> seen_;  // ops per location in this step
   std::vector<TapeEntry> tape_;                          // replay and tape modes
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> made_;  // this step's placeholders
@@ -755,6 +796,10 @@ class Capture {
     paused_ = 0;
     g_active.store(nullptr);
     drain();
+    if (worker_) {
+      py::gil_scoped_acquire gil;
+      worker_->exhume();
+    }
     if (mode_ != Mode::kTape)
       for (auto& weak : made_) {
         auto impl = weak.lock();
@@ -803,6 +848,7 @@ class Capture {
       PyCodeObject* code = f ? PyFrame_GetCode(f) : nullptr;  // (a new reference: kept in places_)
       if (f) k.where = Where{code, PyFrame_GetLasti(f)};
       places_.emplace_back(reinterpret_cast<PyObject*>(code), k.where.lasti);
+      if (worker_) worker_->exhume();
     }
     k.nth = seen_[k.where]++;
     return k;
@@ -810,12 +856,19 @@ class Capture {
 
   const Entry& fill(const Key& key, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
                     const torch::jit::Stack& stack) {
-    Entry& e = cache_[key];
-    e.inputs.clear();
+    Entry e;
     input_metas(args, e.inputs);
     e.consts = consts_of(schema, args);
     e.outputs = out_metas(stack, schema.returns().size());
-    return e;
+    auto& variants = cache_[key];
+    for (auto it = variants.begin(); it != variants.end(); ++it)
+      if (it->inputs == e.inputs && matches(*it, schema, args)) {
+        variants.erase(it);  // (the same arguments made other outputs: a data-dependent op)
+        break;
+      }
+    if (variants.size() >= kVariants) variants.erase(variants.begin());
+    variants.push_back(std::move(e));
+    return variants.back();
   }
 
   void run_now(const c10::OperatorHandle& op, const Key& key, std::vector<c10::IValue>& args,
@@ -863,11 +916,18 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   std::vector<c10::IValue> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
   torch::jit::drop(*stack, n);
   ++ops_;
+  for (const auto& a : args)  // (placeholders report the CPU: a CUDA step would be answered wrong)
+    each_tensor(a, [&op](const at::Tensor& t) {
+      TORCH_CHECK(!t.defined() || t.is_cpu() || t.is_meta(), "coexec: capture runs steps on the CPU only for now; ",
+                  op.schema().name(), " got a tensor on ", t.device());
+    });
   const int64_t index = static_cast<int64_t>(places_.size());  // (locate adds this op's place)
   const Key key = locate(op);
   const Entry* cached = nullptr;
   auto it = cache_.find(key);
-  if (it != cache_.end() && matches(it->second, schema, args)) cached = &it->second;
+  if (it != cache_.end())
+    for (auto v = it->second.rbegin(); v != it->second.rend() && cached == nullptr; ++v)
+      if (matches(*v, schema, args)) cached = &*v;
   if (mode_ == Mode::kAsync &&
       (cached == nullptr || must_run_now(op) || changes_written(schema, args, cached->outputs))) {
     if (cached == nullptr) ++misses_;

@@ -177,6 +177,20 @@ def test_a_warm_step_is_answered_from_the_cache(name: str, waits: int) -> None:
     assert len(per_step) == 1 and per_step.pop() > 20
 
 
+def test_sizes_that_come_back_are_answered_from_the_cache() -> None:
+    """A last batch of another size, lengths drawn from a range: each size is a miss once."""
+    torch.manual_seed(0)
+    lin, capture = torch.nn.Linear(4, 2), Capture()
+    misses = []
+    for n in (3, 5, 7, 5, 3, 7, 3, 5):
+        with capture.step():
+            lin.zero_grad()
+            lin(torch.ones(n, 4)).sum().backward()
+        misses.append(capture.counters.misses)
+    assert misses[2] > misses[1] > misses[0] > 0
+    assert set(misses[2:]) == {misses[2]}
+
+
 def test_item_runs_at_once_and_only_it() -> None:
     torch.manual_seed(0)
     state, capture = Branchy(), Capture()
