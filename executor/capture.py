@@ -19,9 +19,8 @@ worker catches up and every placeholder still alive becomes its value in place.
 
 Python code that reads a tensor's memory without an ATen op (``numpy()``, ``tolist()``,
 ``data_ptr()``, storages, DLPack, printing) waits for the value first: those methods of
-``torch.Tensor`` are wrapped, as are the functions that read or set the CPU random generator,
-which the worker uses in the ops' order (wrapped from the first captured step on, for the rest
-of the process; outside a step, and in other threads, the wrappers call the originals).
+``torch.Tensor`` are wrapped while a step runs, as are the functions that read or set the CPU
+random generator, which the worker uses in the ops' order.
 
 This is the base issue 16's skeleton is being built on; coexec's ``GradientTape`` does not use
 it yet.
@@ -118,15 +117,17 @@ def is_placeholder(t: torch.Tensor) -> bool:
 
 
 class _Waiting:
-    """The wrapped Tensor methods and generator functions: in the thread whose step is captured
-    they wait for the worker first and run with capture paused; elsewhere they call the
-    originals. Put in place once, at the first captured step, and left there: swapped in and out
-    around every step they cost 10 us a step (36 ``setattr``s, and each one empties the type's
-    method cache for the step's first lookups)."""
+    """The wrapped Tensor methods and generator functions (made once, put in place for each
+    step): in the thread whose step is captured they wait for the worker first and run with
+    capture paused; in other threads they call the originals. Only in place during a step:
+    torch's own ``__torch_function__`` handling and the recorder tell these methods apart by
+    identity (left in place, printing and ``numpy()`` broke for the default backend's
+    placeholders and traces)."""
 
     def __init__(self) -> None:
         self.capture = None  # the native capture whose step runs
         self.thread = 0
+        self.swaps: list[tuple[object, str, object, object]] = []  # owner, name, original, wrapper
         for name in _DATA_ACCESS:
             self._wrap(torch.Tensor, name, realize_first=True)
         for name in _RANDOM:
@@ -151,14 +152,18 @@ class _Waiting:
             finally:
                 c.resume()
 
-        setattr(owner, name, waiting)
+        self.swaps.append((owner, name, original, waiting))
 
     @contextlib.contextmanager
     def during(self, c) -> Iterator[None]:
         self.capture, self.thread = c, threading.get_ident()
+        for owner, name, _, wrapper in self.swaps:
+            setattr(owner, name, wrapper)
         try:
             yield
         finally:
+            for owner, name, original, _ in self.swaps:
+                setattr(owner, name, original)
             self.capture = None
 
 

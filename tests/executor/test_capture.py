@@ -289,6 +289,20 @@ def test_an_op_that_fails_at_once_raises_where_eager_does() -> None:
     assert y.item() == 2.0
 
 
+def test_the_wrapped_methods_are_torchs_own_outside_a_step() -> None:
+    """torch's ``__torch_function__`` handling and the recorder tell these methods apart by
+    identity: the wrappers are in place only while a step runs."""
+    names = ("numpy", "tolist", "__repr__", "__format__", "data_ptr")
+    before = {name: getattr(torch.Tensor, name) for name in names}
+    seeds = (torch.manual_seed, torch.random.manual_seed)
+    capture = Capture()
+    with capture.step():
+        inside = {name: getattr(torch.Tensor, name) for name in names}
+    assert all(inside[name] is not before[name] for name in names)
+    assert {name: getattr(torch.Tensor, name) for name in names} == before
+    assert (torch.manual_seed, torch.random.manual_seed) == seeds
+
+
 def test_reading_a_real_tensor_waits_for_its_writes() -> None:
     """``zeros`` makes a real tensor at once (its ``empty``) and queues the writes: a read of
     its memory waits for them."""
