@@ -392,7 +392,7 @@ class GradientTape:
             programs.touch(program)
         self._program = program
         if self.backend == "native":
-            self._step = _NativeStep(program, fam)
+            self._step = _NativeStep(program, fam, self.debug)
             _local.tape = self
             return self
         self._plan(program)
@@ -620,9 +620,10 @@ class _NativeStep:
     why = None  # (it never falls back: an op the capture cannot answer runs at once)
     rec = None
 
-    def __init__(self, program: Program, family: Any) -> None:
+    def __init__(self, program: Program, family: Any, debug: bool = False) -> None:
         self.program = program
         self.family = family
+        self.debug = debug
         self.capture = runtime.capture()
         self.phase = "eager" if self.capture is None else "coexec"
         self.t0 = time.perf_counter()
@@ -661,6 +662,14 @@ class _NativeStep:
         s.native_ops = s.last_ops - (c.run_now - c0.run_now)
         s.stall_seconds += c.wait_seconds - c0.wait_seconds
         s.executor_seconds += c.worker_seconds - c0.worker_seconds
+        misses = c.misses - c0.misses
+        if self.debug and misses:
+            _log(
+                self.program,
+                f"step {s.steps - 1}: {misses} of its {s.last_ops} ops were new at their line (first "
+                "sight, or sizes or arguments not seen there among the last 16), so they ran at once, "
+                "as eager",
+            )
 
 
 class _Step:

@@ -102,6 +102,20 @@ def test_a_failure_on_the_worker_names_the_line() -> None:
         _gather(w, torch.tensor([0, 7]))
 
 
+def test_debug_says_which_steps_met_new_ops(capsys) -> None:
+    state = _state()
+    state["data"][2] = (torch.randn(5, 6), torch.randn(5, 2))  # (a batch of another size)
+    tape = coexec.GradientTape(backend="native", key=("native", "debug"), debug=True)
+    for i in range(6):
+        with tape:
+            train_step(state, i)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "were new at their line" in x]
+    # step 0 meets every op (unless a test before ran these lines: the cache is the process's),
+    # step 2 the other size; steps 3-5 repeat the sizes of 0-2
+    steps = [x.split(": step ")[1].split(":")[0] for x in lines]
+    assert steps in (["0", "2"], ["2"])
+
+
 def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None:
     monkeypatch.setattr(native, "ready", lambda: None)
     state = _state()
