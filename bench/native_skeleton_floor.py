@@ -15,17 +15,19 @@ as over any backend. Three parts:
    every op a miss answered by its meta kernel (a new capture per step) and from the location
    cache, medians over ``--repeats`` blocks. Compare with the co-executed step of
    ``bench/skeleton_floor.py`` and the ``skeleton ms`` of ``bench/zoo_steps.py``;
-2. the replay check (mode "replay"): each zoo model trains 3 steps, and before each step ends its
+2. the replay check (mode "replay"): each zoo model trains 5 steps, and before each step ends its
    tape runs on real tensors below autograd, against an eager copy from the same seed: the
    largest difference in losses and parameters (0: the kernel saw every op eager runs, in an
-   order that gives eager's values);
+   order that gives eager's values), and the replay's time (the step's kernels back to back);
 3. async (the default mode): a C++ worker without the GIL runs each op as it is taped, and an op
    the cache cannot answer runs at once on real tensors, as eager would; zoo models (and with
    ``--programs`` the 14 example programs, with ``--dynamic`` the 5 programs of
    ``examples/dynamic_programs.py`` whose sizes change, for at least 30 steps) train ``--steps``
    steps after 3 of warm-up, in turn with an eager copy: median step times, the median of the
-   paired ratios, and the largest difference in losses, parameters and optimizer state. Compare
-   with ``bench/zoo_steps.py`` and ``bench/coexec_steps.py``.
+   paired ratios, the worker's time in ops, and the largest difference in losses, parameters and
+   optimizer state. Compare with ``bench/zoo_steps.py`` and ``bench/coexec_steps.py``. Last, per
+   zoo model, the worker's time against the replay's: how fast the worker runs the ops while the
+   skeleton's Python runs beside it (issue 16 asks for at most 1.15).
 """
 
 from __future__ import annotations
@@ -55,23 +57,30 @@ def kernel_us(before: CaptureCounters, after: CaptureCounters) -> float:
     return (after.kernel_seconds - before.kernel_seconds) * 1e6 / (after.ops - before.ops)
 
 
-def replay_check(name: str, batch: int, steps: int = 3) -> dict:
+def replay_check(name: str, batch: int, steps: int = 5) -> dict:
     """Train ``name`` eagerly and captured in "replay" mode from one seed; before each captured
-    step ends run its tape on real tensors: same losses and parameters, bit for bit?"""
+    step ends run its tape on real tensors: same losses and parameters, bit for bit? The tape's
+    ops run back to back there, without Python: ``replay ms`` (the median of the steps after
+    the first two) is what the step's kernels take, the yardstick of the worker's time."""
     eager, replayed = ZOO[name](batch), ZOO[name](batch)
     capture = Capture("replay")
-    diff, ops = 0.0, 0
+    diff, ops, times = 0.0, 0, []
     for i in range(steps):
         torch.manual_seed(100 + i)
         want = eager.step()
         torch.manual_seed(100 + i)
         with capture.step():
             loss = replayed.step()
+            t0 = time.perf_counter()
             ops = capture.replay()
+            times.append(time.perf_counter() - t0)
         diff = max(diff, _diff(want, loss))
     for a, b in zip(eager.model.parameters(), replayed.model.parameters()):
         diff = max(diff, _diff(a, b))
-    return {"model": name, "steps": steps, "ops replayed per step": ops, "max |diff|": f"{diff:g}"}
+    return {
+        "model": name, "steps": steps, "ops replayed per step": ops,
+        "replay ms": statistics.median(times[2:]) * 1e3, "max |diff|": f"{diff:g}",
+    }  # fmt: skip
 
 
 def async_run(name: str, make, step, steps: int, warm: int = 3) -> dict:
@@ -82,7 +91,7 @@ def async_run(name: str, make, step, steps: int, warm: int = 3) -> dict:
     ``i`` and returns its loss."""
     eager, lazy = make(), make()
     capture = Capture()
-    diff, ratios, te, ta = 0.0, [], [], []
+    diff, ratios, te, ta, tw = 0.0, [], [], [], []
     row = {"program": name}
     try:
         for i in range(warm + steps):
@@ -91,7 +100,7 @@ def async_run(name: str, make, step, steps: int, warm: int = 3) -> dict:
             want = step(eager, i)
             t1 = time.perf_counter()
             torch.manual_seed(100 + i)
-            run_now = capture.counters.run_now
+            before = capture.counters
             t2 = time.perf_counter()
             with capture.step():
                 loss = step(lazy, i)
@@ -100,17 +109,19 @@ def async_run(name: str, make, step, steps: int, warm: int = 3) -> dict:
             if i >= warm:
                 te.append(t1 - t0)
                 ta.append(t3 - t2)
+                tw.append(capture.counters.worker_seconds - before.worker_seconds)
                 ratios.append((t3 - t2) / (t1 - t0))
     except Exception as e:  # noqa: BLE001  (what capture cannot run yet: say what)
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
         return row
-    run_now = capture.counters.run_now - run_now
+    run_now = capture.counters.run_now - before.run_now
     for a, b in zip(tensors_of(eager), tensors_of(lazy)):
         diff = max(diff, _diff(a, b))
     row.update({
         "eager ms": statistics.median(te) * 1e3,
         "async ms": statistics.median(ta) * 1e3,
         "async/eager": statistics.median(ratios),
+        "worker ms": statistics.median(tw) * 1e3,
         "ops run at once, last step": run_now,
         "max |diff|": f"{diff:g}",
     })  # fmt: skip
@@ -217,6 +228,17 @@ def main() -> None:
         programs += [(p, max(args.steps, 30)) for p in DYNAMIC_PROGRAMS]
     runs += [async_run(p.name, lambda p=p: p(0), lambda s, i: s.step(i), n) for p, n in programs]
     print(markdown_table(runs))
+    replay_ms = {c["model"]: c["replay ms"] for c in checks}
+    pace = [
+        {"model": r["program"], "worker ms": r["worker ms"], "replay ms": replay_ms[r["program"]],
+         "worker/replay": r["worker ms"] / replay_ms[r["program"]]}
+        for r in runs if r["program"] in replay_ms and "worker ms" in r
+    ]  # fmt: skip
+    print(
+        "\nthe worker's time in ops per step against the same tape replayed back to back on the "
+        "step's thread (issue 16: at most 1.15):\n"
+    )
+    print(markdown_table(pace))
     ratios = [r["async/eager"] for r in runs if "async/eager" in r]
     print(
         f"\nasync/eager: geometric mean {statistics.geometric_mean(ratios):.2f} over {len(ratios)} runs"
