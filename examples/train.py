@@ -3,6 +3,7 @@
     python examples/train.py --list
     python examples/train.py dcgan --steps 30            # plain PyTorch
     python examples/train.py dcgan --steps 30 --coexec   # the same script under coexec
+    python examples/train.py dcgan --steps 30 --coexec --backend native   # ops answered in C++
 
 With ``--coexec`` the training loop wraps each step in ``with tape:`` and prints the tape's
 statistics at the end; ``--check`` also runs it eagerly from the same seed and compares losses
@@ -24,9 +25,11 @@ import coexec  # noqa: E402
 from examples.programs import BY_NAME  # noqa: E402
 
 
-def train(name: str, steps: int, use_coexec: bool, seed: int = 0, quiet: bool = False):
+def train(
+    name: str, steps: int, use_coexec: bool, seed: int = 0, quiet: bool = False, backend: str = "interpret"
+):
     program = BY_NAME[name](seed)
-    tape = coexec.GradientTape(key=name) if use_coexec else None
+    tape = coexec.GradientTape(key=(name, backend), backend=backend) if use_coexec else None
     losses = []
     t0 = time.perf_counter()
     for i in range(steps):
@@ -57,6 +60,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--coexec", action="store_true", help="run the steps under coexec.GradientTape")
     ap.add_argument("--check", action="store_true", help="with --coexec: compare with eager")
+    ap.add_argument(
+        "--backend", default="interpret", choices=coexec.tape.BACKENDS,
+        help="with --coexec: GradientTape's backend (native: every op answered in C++)",
+    )  # fmt: skip
     ap.add_argument("--list", action="store_true", help="list the programs")
     args = ap.parse_args()
     if args.list or not args.program:
@@ -65,8 +72,12 @@ def main() -> int:
         return 0
     if args.program not in BY_NAME:
         ap.error(f"unknown program {args.program!r}; one of: {', '.join(BY_NAME)}")
-    program, losses, tape, seconds = train(args.program, args.steps, args.coexec, args.seed)
-    print(f"{args.steps} steps in {seconds:.2f} s ({'coexec' if tape else 'eager'})")
+    if args.coexec and args.backend == "native":
+        from executor import native
+
+        native.wait()  # (its first build takes a minute; steps would run eagerly meanwhile)
+    program, losses, tape, seconds = train(args.program, args.steps, args.coexec, args.seed, backend=args.backend)
+    print(f"{args.steps} steps in {seconds:.2f} s ({f'coexec, {args.backend}' if tape else 'eager'})")
     if tape is not None:
         print(tape.stats)
         if args.check:
