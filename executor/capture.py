@@ -22,8 +22,8 @@ Python code that reads a tensor's memory without an ATen op (``numpy()``, ``toli
 ``torch.Tensor`` are wrapped while a step runs, as are the functions that read or set the CPU
 random generator, which the worker uses in the ops' order.
 
-This is the base issue 16's skeleton is being built on; coexec's ``GradientTape`` does not use
-it yet.
+This is the base issue 16's skeleton is being built on; ``GradientTape(backend="native")``
+runs its steps on it (coexec/tape.py).
 """
 
 from __future__ import annotations
