@@ -1,0 +1,204 @@
+// Capture's cache (capture.cpp): what an op made at a Python location, and the check that it applies.
+// Internal to capture.cpp, the only file that includes it (hence the anonymous namespace).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/intrusive_ptr.h>
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "capture_placeholders.h"
+
+namespace coexec {
+namespace {
+
+namespace py = pybind11;
+
+// -- the cache -------------------------------------------------------------------------------
+
+struct OutMeta {  // one return: a tensor, or a list of them
+  bool is_list = false;
+  std::vector<TensorMeta> tensors;
+};
+
+struct Where {
+  const void* code;
+  int lasti;
+  bool operator==(const Where& o) const { return code == o.code && lasti == o.lasti; }
+};
+
+struct WhereHash {
+  size_t operator()(const Where& w) const { return std::hash<const void*>()(w.code) ^ (size_t)w.lasti * 31; }
+};
+
+struct Key {
+  const void* op;
+  Where where;
+  int64_t nth;  // ops this location made before in the step
+  bool operator==(const Key& o) const { return op == o.op && where == o.where && nth == o.nth; }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    return std::hash<const void*>()(k.op) ^ (WhereHash()(k.where) << 1) ^ (size_t)k.nth * 1000003;
+  }
+};
+
+struct Entry {
+  std::vector<TensorMeta> inputs;   // the tensor arguments' metadata when cached
+  std::vector<c10::IValue> consts;  // the other arguments (tensors as None)
+  std::vector<OutMeta> outputs;
+};
+
+bool has_tensor(const c10::IValue& iv) {
+  bool any = iv.isTensor() || iv.isTensorList();
+  if (!any && iv.isList())
+    for (const c10::IValue& x : iv.toListRef()) any = any || x.isTensor();
+  return any;
+}
+
+bool any_tensor(const std::vector<c10::IValue>& args) {
+  for (const auto& a : args)
+    if (has_tensor(a)) return true;
+  return false;
+}
+
+// The arguments that are not tensors (a view's shape, a slice's bounds, a dtype) are as much a
+// part of what an op makes as its inputs' metadata. A number (Scalar, float: an alpha, a learning
+// rate, Adam's step size) counts by its kind only where the op has tensor inputs: type promotion
+// reads the kind, no output's shape reads the value, and such values change from step to step.
+// A factory's numbers (``arange``'s end) make its shape, so there they count by value.
+// Argument ``i`` as the cache keeps it (``tensors``: the op has tensor inputs; a tensor: None).
+c10::IValue const_of(const c10::FunctionSchema& schema, size_t i, const c10::IValue& iv, bool tensors) {
+  if (has_tensor(iv)) return c10::IValue();
+  if (!tensors || !(iv.isDouble() || iv.isInt() || iv.isComplexDouble() || iv.isBool())) return iv;
+  auto kind = schema.arguments()[i].type()->kind();
+  if (kind == c10::TypeKind::OptionalType)
+    kind = schema.arguments()[i].type()->castRaw<c10::OptionalType>()->getElementType()->kind();
+  if (kind != c10::TypeKind::NumberType && kind != c10::TypeKind::FloatType && kind != c10::TypeKind::ComplexType)
+    return iv;
+  if (iv.isDouble()) return 0.0;
+  if (iv.isInt()) return int64_t(0);
+  if (iv.isComplexDouble()) return c10::complex<double>(0, 0);
+  return false;
+}
+
+std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+  const bool tensors = any_tensor(args);
+  std::vector<c10::IValue> out;
+  out.reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) out.push_back(const_of(schema, i, args[i], tensors));
+  return out;
+}
+
+bool same_const(const c10::IValue& a, const c10::IValue& b) {
+  if (a.tagKind() != b.tagKind()) return false;
+  if (a.isNone()) return true;
+  if (a.isInt()) return a.toInt() == b.toInt();
+  if (a.isBool()) return a.toBool() == b.toBool();
+  if (a.isDouble()) {
+    double x = a.toDouble(), y = b.toDouble();
+    return std::memcmp(&x, &y, sizeof x) == 0;  // (-0.0 is not 0.0 here)
+  }
+  if (a.isIntList()) return a.toIntVector() == b.toIntVector();
+  if (a.isGenerator()) return true;  // (which generator makes values, not shapes)
+  if (a.isString()) return a.toStringRef() == b.toStringRef();
+  if (a.isDevice()) return a.toDevice() == b.toDevice();
+  std::ostringstream x, y;  // strings, devices, dtypes, scalars, other lists: as printed
+  x << a;
+  y << b;
+  return x.str() == y.str();
+}
+
+void input_metas(const std::vector<c10::IValue>& args, std::vector<TensorMeta>& out) {
+  for (const auto& iv : args)
+    each_tensor(iv, [&out](const at::Tensor& t) {
+      if (t.defined()) out.push_back(meta_of(t));
+    });
+}
+
+bool matches(const Entry& e, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+  size_t k = 0;
+  bool same = true;
+  for (const auto& iv : args) {
+    each_tensor(iv, [&](const at::Tensor& t) {
+      if (!same || !t.defined()) return;
+      same = k < e.inputs.size() && e.inputs[k++].same(t);
+    });
+    if (!same) return false;
+  }
+  if (k != e.inputs.size()) return false;
+  const bool tensors = !e.inputs.empty() || any_tensor(args);
+  for (size_t i = 0; i < args.size(); ++i)
+    if (!has_tensor(args[i]) && !same_const(const_of(schema, i, args[i], tensors), e.consts[i])) return false;
+  return true;
+}
+
+std::vector<OutMeta> out_metas(const torch::jit::Stack& stack, size_t nret) {
+  std::vector<OutMeta> metas;
+  for (size_t r = 0; r < nret; ++r) {
+    const c10::IValue& iv = stack[stack.size() - nret + r];
+    OutMeta m;
+    if (iv.isTensorList()) {
+      m.is_list = true;
+      for (const at::Tensor& t : iv.toTensorVector()) m.tensors.push_back(meta_of(t));
+    } else {
+      m.tensors.push_back(meta_of(iv.isTensor() ? iv.toTensor() : at::Tensor()));
+    }
+    metas.push_back(std::move(m));
+  }
+  return metas;
+}
+
+// Does the op change a written argument's metadata (``unsqueeze_``, ``resize_``, an ``out=``
+// that resizes)? Such an op runs now: Python sees the new shape at once.
+bool changes_written(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                     const std::vector<OutMeta>& outs) {
+  for (size_t r = 0; r < outs.size(); ++r) {
+    const int w = written_arg(schema, r);
+    if (w < 0 || !args[w].isTensor() || outs[r].is_list) continue;
+    if (!outs[r].tensors[0].same(args[w].toTensor())) return true;
+  }
+  return false;
+}
+
+// Where nothing is computed, an op that changes a written argument's metadata (an ``out=`` that
+// resizes: ``arange``'s) changes it here: a placeholder takes it, a real tensor is resized (its
+// values are computed when the tape runs).
+void take_written_metadata(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+                           const std::vector<OutMeta>& outs, c10::DispatchKeySet included_before) {
+  for (size_t r = 0; r < outs.size(); ++r) {
+    const int w = written_arg(schema, r);
+    if (w < 0 || !args[w].isTensor() || outs[r].is_list) continue;
+    const at::Tensor& t = args[w].toTensor();
+    const TensorMeta& m = outs[r].tensors[0];
+    if (m.same(t)) continue;
+    if (is_ph(t)) {
+      t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides);
+      t.unsafeGetTensorImpl()->set_storage_offset(m.offset);
+    } else {
+      at::AutoDispatchBelowADInplaceOrView below;
+      c10::impl::ForceDispatchKeyGuard off(included_before, c10::impl::tls_local_dispatch_key_set().excluded_);
+      at::Tensor(t).resize_(m.sizes).as_strided_(m.sizes, m.strides, m.offset);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace coexec

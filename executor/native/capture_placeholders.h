@@ -1,0 +1,197 @@
+// Capture's placeholders (capture.cpp): TensorImpls without storage whose value a Slot receives, and
+// the helpers that walk an op's tensor arguments.
+// Internal to capture.cpp, the only file that includes it (hence the anonymous namespace).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/intrusive_ptr.h>
+#include <Python.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace coexec {
+namespace {
+
+namespace py = pybind11;
+
+constexpr auto kKey = c10::DispatchKey::PrivateUse3;
+
+// -- placeholders ----------------------------------------------------------------------------
+
+struct Slot {
+  at::Tensor real;  // the value, once computed
+};
+
+class Capture;
+std::atomic<Capture*> g_active{nullptr};  // the capture a step is running under, if any
+void made(const c10::intrusive_ptr<c10::TensorImpl>& impl);
+
+struct PlaceholderImpl : c10::TensorImpl {
+  std::shared_ptr<Slot> slot;
+
+  PlaceholderImpl(caffe2::TypeMeta dtype, std::shared_ptr<Slot> s)
+      : TensorImpl(c10::DispatchKeySet(kKey), dtype, c10::Device(c10::kCPU)), slot(std::move(s)) {}
+
+  c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(const c10::VariableVersion& version,
+                                                         bool allow_metadata_change) const override {
+    return copy(version, allow_metadata_change);
+  }
+
+  c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(c10::VariableVersion&& version,
+                                                         bool allow_metadata_change) const override {
+    return copy(std::move(version), allow_metadata_change);
+  }
+
+  void shallow_copy_from(const c10::intrusive_ptr<TensorImpl>& impl) override {
+    TensorImpl::shallow_copy_from(impl);
+    if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) slot = other->slot;
+  }
+
+  // (a dead placeholder stays allocated while the capture's weak reference to it lives: its
+  // value must not)
+  void release_resources() override {
+    slot.reset();
+    TensorImpl::release_resources();
+  }
+
+  // Become the value: its storage, offset and dispatch keys. False: it has none (yet).
+  bool realize() {
+    if (!key_set_.has(kKey) || !slot || !slot->real.defined()) return false;
+    const at::Tensor& r = slot->real;
+    storage_ = r.storage();
+    storage_offset_ = r.storage_offset();
+    storage_access_should_throw_ = false;
+    device_opt_ = r.device();
+    set_sizes_and_strides(r.sizes(), r.strides());
+    key_set_ = r.key_set();
+    return true;
+  }
+
+ private:
+  template <typename Version>
+  c10::intrusive_ptr<TensorImpl> copy(Version&& version, bool allow_metadata_change) const {
+    auto impl = c10::make_intrusive<PlaceholderImpl>(dtype(), slot);
+    copy_tensor_metadata(this, impl.get(), std::forward<Version>(version), allow_metadata_change);
+    made(impl);
+    return impl;
+  }
+};
+
+bool is_ph(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }
+
+PlaceholderImpl* impl_of(const at::Tensor& t) { return static_cast<PlaceholderImpl*>(t.unsafeGetTensorImpl()); }
+
+struct TensorMeta {
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;  // Undefined: an undefined tensor
+
+  bool operator==(const TensorMeta& o) const {
+    return dtype == o.dtype && offset == o.offset && sizes == o.sizes && strides == o.strides;
+  }
+
+  bool same(const at::Tensor& t) const {
+    return t.scalar_type() == dtype && t.sizes().equals(sizes) && t.strides().equals(strides) &&
+           t.storage_offset() == offset;
+  }
+};
+
+TensorMeta meta_of(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {t.sizes().vec(), t.strides().vec(), t.storage_offset(), t.scalar_type()};
+}
+
+at::Tensor make_ph(const TensorMeta& m) {
+  if (m.dtype == c10::ScalarType::Undefined) return at::Tensor();
+  auto impl = c10::make_intrusive<PlaceholderImpl>(c10::scalarTypeToTypeMeta(m.dtype), std::make_shared<Slot>());
+  impl->set_sizes_and_strides(m.sizes, m.strides);
+  impl->set_storage_offset(m.offset);
+  made(impl);
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor real_of(const at::Tensor& t) {
+  if (!is_ph(t)) return t;
+  const auto& slot = impl_of(t)->slot;
+  TORCH_CHECK(slot && slot->real.defined(),
+              "coexec: this tensor has no value: it comes from a captured step whose ops did not all run "
+              "(an op failed, or the capture only taped them)");
+  return slot->real;
+}
+
+// ``iv`` with ``f`` applied to each tensor in it (a tensor, a Tensor[], a Tensor?[]).
+template <typename F>
+c10::IValue map_tensors(const c10::IValue& iv, F f) {
+  if (iv.isTensor()) return f(iv.toTensor());
+  if (iv.isTensorList()) {
+    std::vector<at::Tensor> l;
+    for (const at::Tensor& t : iv.toTensorVector()) l.push_back(f(t));
+    return l;
+  }
+  if (iv.isList()) {
+    bool tensors = false;
+    for (const c10::IValue& x : iv.toListRef()) tensors = tensors || x.isTensor();
+    if (!tensors) return iv;
+    c10::List<std::optional<at::Tensor>> l;
+    for (const c10::IValue& x : iv.toListRef())
+      l.push_back(x.isTensor() ? std::optional<at::Tensor>(f(x.toTensor())) : std::nullopt);
+    return l;
+  }
+  return iv;
+}
+
+template <typename F>
+void each_tensor(const c10::IValue& iv, F f) {
+  if (iv.isTensor()) {
+    f(iv.toTensor());
+  } else if (iv.isList()) {  // (a Tensor[] is a list of IValues too)
+    for (const c10::IValue& x : iv.toListRef())
+      if (x.isTensor()) f(x.toTensor());
+  }
+}
+
+at::Tensor to_meta(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta))
+      .as_strided(t.sizes(), t.strides(), t.storage_offset());
+}
+
+// the argument that return ``r`` writes in place (``add_``, ``out=``), or -1
+int written_arg(const c10::FunctionSchema& schema, size_t r) {
+  const auto* alias = schema.returns()[r].alias_info();
+  if (alias == nullptr || !alias->isWrite()) return -1;
+  for (size_t a = 0; a < schema.arguments().size(); ++a) {
+    const auto* ai = schema.arguments()[a].alias_info();
+    if (ai != nullptr && ai->isWrite() && ai->beforeSets() == alias->beforeSets()) return static_cast<int>(a);
+  }
+  return -1;
+}
+
+// Must this op run now, on real tensors? (Python reads its result, or its output's shape
+// depends on the data.)
+bool must_run_now(const c10::OperatorHandle& op) {
+  if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output)) return true;
+  for (const auto& r : op.schema().returns()) {
+    const auto kind = r.type()->kind();
+    if (kind != c10::TypeKind::TensorType && kind != c10::TypeKind::ListType && kind != c10::TypeKind::OptionalType)
+      return true;
+  }
+  return false;
+}
+
+}  // namespace
+}  // namespace coexec
