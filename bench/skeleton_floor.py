@@ -96,6 +96,16 @@ def make_updates(n: int = 200):
     return step, n
 
 
+def under(tape: coexec.GradientTape, step):
+    """``step`` run in ``tape``'s ``with`` block."""
+
+    def run() -> None:
+        with tape:
+            step()
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=30)
@@ -117,23 +127,13 @@ def main() -> None:
             step()
 
     tape = coexec.GradientTape(key="skeleton-floor")
-
-    def co() -> None:
-        with tape:
-            step()
-
     native_tape = coexec.GradientTape(key="skeleton-floor-native", backend="native")
-
-    def co_native() -> None:
-        with native_tape:
-            step()
-
     rows = [
         ("eager", per_op(step, ops, args.repeats)),
         ("interception (pass-through modes)", per_op(floor, ops, args.repeats)),
         ("record (tracing phase)", per_op(recorded, ops, args.repeats)),
-        ("coexec (co-executed step)", per_op(co, ops, args.repeats)),
-        ("native backend (co-executed step)", per_op(co_native, ops, args.repeats)),
+        ("coexec (co-executed step)", per_op(under(tape, step), ops, args.repeats)),
+        ("native backend (co-executed step)", per_op(under(native_tape, step), ops, args.repeats)),
     ]
     assert tape.stats.phase == "coexec" and tape.stats.fallbacks == 0, tape.stats
     print(f"tiny MLP step, {ops} ATen ops, torch {torch.__version__}, 1 thread\n")
@@ -143,21 +143,11 @@ def main() -> None:
 
     update, calls = make_updates()
     up_tape = coexec.GradientTape(key="skeleton-floor-updates")
-
-    def co_update() -> None:
-        with up_tape:
-            update()
-
     native_up_tape = coexec.GradientTape(key="skeleton-floor-updates-native", backend="native")
-
-    def native_update() -> None:
-        with native_up_tape:
-            update()
-
     rows = [
         ("eager", per_op(update, calls, args.repeats)),
-        ("coexec", per_op(co_update, calls, args.repeats)),
-        ("native backend", per_op(native_update, calls, args.repeats)),
+        ("coexec", per_op(under(up_tape, update), calls, args.repeats)),
+        ("native backend", per_op(under(native_up_tape, update), calls, args.repeats)),
     ]
     assert up_tape.stats.templated_calls == calls, up_tape.stats
     print(f"\n{calls} no-grad p.add_(g, alpha=-0.01) calls, one step\n")

@@ -113,7 +113,7 @@ class Capture {
   }
 
   ~Capture() {
-    if (stepping_) end_quietly();
+    if (stepping()) end_quietly();
     if (worker_) {
       py::gil_scoped_release nogil;
       worker_.reset();
@@ -126,7 +126,6 @@ class Capture {
     Capture* none = nullptr;
     TORCH_CHECK(g_active.compare_exchange_strong(none, this),
                 "coexec: a step is already being captured (one at a time, in one thread)");
-    stepping_ = true;
     auto tls = c10::impl::tls_local_dispatch_key_set();
     included_before_ = tls.included_;
     tls.included_ = tls.included_ | c10::DispatchKeySet(kKey);
@@ -136,7 +135,7 @@ class Capture {
   // The step ends: its ops are computed, placeholders still alive become their values, and a
   // failure on the worker is raised.
   void end() {
-    TORCH_CHECK(stepping_, "coexec: end() without begin()");
+    TORCH_CHECK(stepping(), "coexec: end() without begin()");
     end_quietly();
     raise_failure();
     forget_places();
@@ -145,11 +144,11 @@ class Capture {
   // Capture off and on again within a step, around what reads memory outside the dispatcher
   // (nested: printing calls tolist()).
   void pause() {
-    if (stepping_ && paused_++ == 0) set_included(included_before_);
+    if (stepping() && paused_++ == 0) set_included(included_before_);
   }
 
   void resume() {
-    if (stepping_ && paused_ > 0 && --paused_ == 0) set_included(included_before_ | c10::DispatchKeySet(kKey));
+    if (stepping() && paused_ > 0 && --paused_ == 0) set_included(included_before_ | c10::DispatchKeySet(kKey));
   }
 
   // The worker catches up (a failure is raised).
@@ -187,7 +186,7 @@ class Capture {
                           worker_ ? worker_->busy_ns() : int64_t(0));
   }
 
-  bool stepping() const { return stepping_; }
+  bool stepping() const { return g_active.load() == this; }
 
   void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
@@ -198,7 +197,6 @@ class Capture {
  private:
   Mode mode_ = Mode::kAsync;
   std::unique_ptr<Worker> worker_;
-  bool stepping_ = false;
   int paused_ = 0;
   c10::DispatchKeySet included_before_;
   // per key, the variants seen (sizes that come back: a last batch, lengths drawn from a
@@ -215,7 +213,7 @@ class Capture {
     if (!worker_) return;
     const auto t0 = std::chrono::steady_clock::now();
     worker_->drain();
-    wait_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    wait_ns_ += ns_since(t0);
   }
 
   static void set_included(c10::DispatchKeySet included) {
@@ -226,7 +224,6 @@ class Capture {
 
   void end_quietly() {
     set_included(included_before_);
-    stepping_ = false;
     paused_ = 0;
     g_active.store(nullptr);
     drain();
@@ -288,12 +285,15 @@ class Capture {
     return k;
   }
 
-  const Entry& fill(const Key& key, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
+  const Entry& fill(const c10::OperatorHandle& op, const Key& key, const std::vector<c10::IValue>& args,
                     const torch::jit::Stack& stack) {
+    const auto& schema = op.schema();
     Entry e;
     input_metas(args, e.inputs);
     e.consts = consts_of(schema, args);
     e.outputs = out_metas(stack, schema.returns().size());
+    for (size_t r = 0; r < schema.returns().size(); ++r) e.written.push_back(written_arg(schema, r));
+    e.run_now = must_run_now(op);
     auto& variants = cache_[key];
     for (auto it = variants.begin(); it != variants.end(); ++it)
       if (it->inputs == e.inputs && matches(*it, schema, args)) {
@@ -313,34 +313,39 @@ void made(const c10::intrusive_ptr<c10::TensorImpl>& impl) {
   if (Capture* c = g_active.load(std::memory_order_relaxed)) c->note_made(impl);
 }
 
-// As eager: wait for the ops before it, run it on real tensors, return real tensors (written
-// placeholders take the new metadata).
-void Capture::run_now(const c10::OperatorHandle& op, const Key& key, std::vector<c10::IValue>& args,
-                      torch::jit::Stack* stack) {
+// Run ``op`` on the values of ``args`` (below autograd, with ``included`` as this thread's
+// included keys) and return real tensors, the written arguments themselves (a placeholder among
+// them takes the metadata the op gave its value).
+void run_on_values(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, torch::jit::Stack* stack,
+                   c10::DispatchKeySet included) {
   const auto& schema = op.schema();
   const size_t nret = schema.returns().size();
-  ++run_now_;
-  drain();
-  raise_failure();
   for (const c10::IValue& a : args) stack->push_back(map_tensors(a, real_of));
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    c10::impl::ForceDispatchKeyGuard off(included_before_, c10::impl::tls_local_dispatch_key_set().excluded_);
+    c10::impl::ForceDispatchKeyGuard off(included, c10::impl::tls_local_dispatch_key_set().excluded_);
     op.callBoxed(*stack);
   }
-  fill(key, schema, args, *stack);
   for (size_t r = 0; r < nret; ++r) {
     const int w = written_arg(schema, r);
     if (w < 0) continue;
     c10::IValue& out = (*stack)[stack->size() - nret + r];
     if (args[w].isTensor() && is_ph(args[w].toTensor()) && out.isTensor()) {
       const at::Tensor& real = out.toTensor();
-      auto* impl = impl_of(args[w].toTensor());
-      impl->set_sizes_and_strides(real.sizes(), real.strides());
-      impl->set_storage_offset(real.storage_offset());
+      impl_of(args[w].toTensor())->take_metadata(real.sizes(), real.strides(), real.storage_offset());
     }
     out = args[w];
   }
+}
+
+// As eager: wait for the ops before it, run it on the values, and cache what it made.
+void Capture::run_now(const c10::OperatorHandle& op, const Key& key, std::vector<c10::IValue>& args,
+                      torch::jit::Stack* stack) {
+  ++run_now_;
+  drain();
+  raise_failure();
+  run_on_values(op, args, stack, included_before_);
+  fill(op, key, args, *stack);
 }
 
 void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -362,8 +367,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (it != cache_.end())
     for (auto v = it->second.rbegin(); v != it->second.rend() && cached == nullptr; ++v)
       if (matches(*v, schema, args)) cached = &*v;
-  if (mode_ == Mode::kAsync &&
-      (cached == nullptr || must_run_now(op) || changes_written(schema, args, cached->outputs))) {
+  if (mode_ == Mode::kAsync && (cached == nullptr || cached->run_now || changes_written(*cached, args))) {
     if (cached == nullptr) ++misses_;
     run_now(op, key, args, stack);
     return;
@@ -372,10 +376,10 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     ++misses_;
     for (const c10::IValue& a : args) stack->push_back(map_tensors(a, to_meta));
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
-    cached = &fill(key, schema, args, *stack);
+    cached = &fill(op, key, args, *stack);
     torch::jit::drop(*stack, nret);
   }
-  if (mode_ != Mode::kAsync) take_written_metadata(schema, args, cached->outputs, included_before_);
+  if (mode_ != Mode::kAsync) take_written_metadata(*cached, args, included_before_);
   TapeEntry entry;
   entry.op = &op;
   entry.grad_mode = c10::GradMode::is_enabled();
@@ -383,7 +387,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   entry.args.reserve(n);
   for (const auto& a : args) entry.args.push_back(arg_of(a));
   for (size_t r = 0; r < nret; ++r) {
-    const int w = written_arg(schema, r);
+    const int w = cached->written[r];
     const OutMeta& m = cached->outputs[r];
     c10::IValue out;
     std::vector<std::shared_ptr<Slot>> slots;
@@ -411,23 +415,13 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
-// Outside a step (a placeholder that outlived its step without a value is an error there), a
-// placeholder stands for its value.
+// Outside a step a placeholder stands for its value (one that outlived its step without a value
+// is an error there).
 void outside(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const auto& schema = op.schema();
-  const size_t n = schema.arguments().size();
-  const size_t nret = schema.returns().size();
-  std::vector<c10::IValue> args(stack->end() - n, stack->end());
+  const size_t n = op.schema().arguments().size();
+  std::vector<c10::IValue> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
   torch::jit::drop(*stack, n);
-  for (const c10::IValue& a : args) stack->push_back(map_tensors(a, real_of));
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    op.callBoxed(*stack);
-  }
-  for (size_t r = 0; r < nret; ++r) {
-    const int w = written_arg(schema, r);
-    if (w >= 0) (*stack)[stack->size() - nret + r] = args[w];
-  }
+  run_on_values(op, args, stack, c10::impl::tls_local_dispatch_key_set().included_);
 }
 
 const bool g_debug = std::getenv("COEXEC_CAPTURE_DEBUG") != nullptr;  // each op to stderr (read once)
@@ -442,7 +436,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   const auto t0 = std::chrono::steady_clock::now();
   c->answer(op, stack);
   // (kernel_ns_ is the capture's, updated only on its step's thread)
-  c->add_kernel_ns(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  c->add_kernel_ns(ns_since(t0));
 }
 
 }  // namespace

@@ -64,6 +64,10 @@ struct Entry {
   std::vector<TensorMeta> inputs;   // the tensor arguments' metadata when cached
   std::vector<c10::IValue> consts;  // the other arguments (tensors as None)
   std::vector<OutMeta> outputs;
+  // of the op, found once here rather than at every hit: per return the argument it writes
+  // (written_arg), and whether it must run at once (must_run_now)
+  std::vector<int> written;
+  bool run_now = false;
 };
 
 bool has_tensor(const c10::IValue& iv) {
@@ -168,34 +172,37 @@ std::vector<OutMeta> out_metas(const torch::jit::Stack& stack, size_t nret) {
 
 // Does the op change a written argument's metadata (``unsqueeze_``, ``resize_``, an ``out=``
 // that resizes)? Such an op runs now: Python sees the new shape at once.
-bool changes_written(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
-                     const std::vector<OutMeta>& outs) {
-  for (size_t r = 0; r < outs.size(); ++r) {
-    const int w = written_arg(schema, r);
-    if (w < 0 || !args[w].isTensor() || outs[r].is_list) continue;
-    if (!outs[r].tensors[0].same(args[w].toTensor())) return true;
-  }
+// The written tensor argument of return ``r`` with the metadata the entry says it ends with, if
+// the op changes it (``unsqueeze_``, ``resize_``, an ``out=`` that resizes); else null.
+const at::Tensor* rewritten(const Entry& e, const std::vector<c10::IValue>& args, size_t r) {
+  const int w = e.written[r];
+  if (w < 0 || !args[w].isTensor() || e.outputs[r].is_list) return nullptr;
+  const at::Tensor& t = args[w].toTensor();
+  return e.outputs[r].tensors[0].same(t) ? nullptr : &t;
+}
+
+// Does the op change a written argument's metadata? Such an op runs now: Python sees the new
+// shape at once.
+bool changes_written(const Entry& e, const std::vector<c10::IValue>& args) {
+  for (size_t r = 0; r < e.outputs.size(); ++r)
+    if (rewritten(e, args, r) != nullptr) return true;
   return false;
 }
 
 // Where nothing is computed, an op that changes a written argument's metadata (an ``out=`` that
 // resizes: ``arange``'s) changes it here: a placeholder takes it, a real tensor is resized (its
 // values are computed when the tape runs).
-void take_written_metadata(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args,
-                           const std::vector<OutMeta>& outs, c10::DispatchKeySet included_before) {
-  for (size_t r = 0; r < outs.size(); ++r) {
-    const int w = written_arg(schema, r);
-    if (w < 0 || !args[w].isTensor() || outs[r].is_list) continue;
-    const at::Tensor& t = args[w].toTensor();
-    const TensorMeta& m = outs[r].tensors[0];
-    if (m.same(t)) continue;
-    if (is_ph(t)) {
-      t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides);
-      t.unsafeGetTensorImpl()->set_storage_offset(m.offset);
+void take_written_metadata(const Entry& e, const std::vector<c10::IValue>& args, c10::DispatchKeySet included_before) {
+  for (size_t r = 0; r < e.outputs.size(); ++r) {
+    const at::Tensor* t = rewritten(e, args, r);
+    if (t == nullptr) continue;
+    const TensorMeta& m = e.outputs[r].tensors[0];
+    if (is_ph(*t)) {
+      impl_of(*t)->take_metadata(m.sizes, m.strides, m.offset);
     } else {
       at::AutoDispatchBelowADInplaceOrView below;
       c10::impl::ForceDispatchKeyGuard off(included_before, c10::impl::tls_local_dispatch_key_set().excluded_);
-      at::Tensor(t).resize_(m.sizes).as_strided_(m.sizes, m.strides, m.offset);
+      at::Tensor(*t).resize_(m.sizes).as_strided_(m.sizes, m.strides, m.offset);
     }
   }
 }

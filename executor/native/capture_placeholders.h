@@ -68,6 +68,12 @@ struct PlaceholderImpl : c10::TensorImpl {
     TensorImpl::release_resources();
   }
 
+  // Take these sizes, strides and offset (an op that changed a written argument's metadata).
+  void take_metadata(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset) {
+    set_sizes_and_strides(sizes, strides);
+    set_storage_offset(offset);
+  }
+
   // Become the value: its storage, offset and dispatch keys. False: it has none (yet).
   bool realize() {
     if (!key_set_.has(kKey) || !slot || !slot->real.defined()) return false;
@@ -90,6 +96,10 @@ struct PlaceholderImpl : c10::TensorImpl {
     return impl;
   }
 };
+
+int64_t ns_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+}
 
 bool is_ph(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }
 
@@ -118,8 +128,7 @@ TensorMeta meta_of(const at::Tensor& t) {
 at::Tensor make_ph(const TensorMeta& m) {
   if (m.dtype == c10::ScalarType::Undefined) return at::Tensor();
   auto impl = c10::make_intrusive<PlaceholderImpl>(c10::scalarTypeToTypeMeta(m.dtype), std::make_shared<Slot>());
-  impl->set_sizes_and_strides(m.sizes, m.strides);
-  impl->set_storage_offset(m.offset);
+  impl->take_metadata(m.sizes, m.strides, m.offset);
   made(impl);
   return at::Tensor(std::move(impl));
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "capture_placeholders.h"
+#include "grave.h"
 
 namespace coexec {
 namespace {
@@ -143,15 +144,7 @@ class Worker {
   int64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
 
   // Let go of the arguments Python holds too that the worker laid aside (bury): GIL held.
-  void exhume() {
-    if (!buried_.load(std::memory_order_acquire)) return;
-    std::vector<c10::IValue> dead;
-    {
-      std::lock_guard<std::mutex> g(grave_mu_);
-      dead.swap(grave_);
-      buried_.store(false, std::memory_order_release);
-    }
-  }
+  void exhume() { grave_.exhume(); }
 
   void clear_error() {
     std::lock_guard<std::mutex> g(mu_);
@@ -170,30 +163,26 @@ class Worker {
   std::atomic<bool> failed_{false};  // ops after a failure are dropped until clear_error()
   int64_t failed_at_ = -1;
   std::string error_;
-  std::mutex grave_mu_;
-  std::vector<c10::IValue> grave_;  // arguments Python holds too, let go of under the GIL
-  std::atomic<bool> buried_{false};
+  Grave grave_;  // arguments Python holds too, let go of under the GIL
+  std::vector<at::Tensor> held_;  // (scratch for bury)
   bool idle_ = false;      // the worker sleeps: a push must wake it
   bool draining_ = false;  // a drain sleeps: the op that ends it must say so
   std::thread thread_;
 
-  // An op's arguments that Python holds too (parameters, a batch) are not let go of here: the
-  // last reference beside Python's lets go of the Python object, which takes the GIL, and the
-  // skeleton holds it while it runs Python (every op would wait for it). The skeleton lets go of
-  // them where it holds the GIL anyway (Capture::locate).
+  // An op's arguments that Python holds too (parameters, a batch) are not let go of here but
+  // by the skeleton, where it holds the GIL anyway (grave.h; Capture::locate exhumes).
+  // (a tensor argument moves to the grave: the entry is let go of next; one in a list is copied)
   void bury(TapeEntry& e) {
-    std::vector<c10::IValue> held;
     for (Arg& a : e.args) {
-      bool python = false;
-      each_tensor(a.value, [&python](const at::Tensor& t) {
-        python = python || (t.defined() && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr);
+      if (a.value.isTensor()) {
+        if (python_holds(a.value.toTensor())) held_.push_back(std::move(a.value).toTensor());
+        continue;
+      }
+      each_tensor(a.value, [this](const at::Tensor& t) {
+        if (python_holds(t)) held_.push_back(t);
       });
-      if (python) held.push_back(std::move(a.value));
     }
-    if (held.empty()) return;
-    std::lock_guard<std::mutex> g(grave_mu_);
-    for (auto& v : held) grave_.push_back(std::move(v));
-    buried_.store(true, std::memory_order_release);
+    grave_.bury(held_);
   }
 
   // The next op: polled for without the lock (the skeleton pushes under it), then slept for.
@@ -226,9 +215,7 @@ class Worker {
         const auto t0 = std::chrono::steady_clock::now();
         try {
           run_entry(e);
-          busy_ns_.fetch_add(
-              std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
-              std::memory_order_relaxed);
+          busy_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
         } catch (const std::exception& ex) {
           std::lock_guard<std::mutex> g(mu_);
           failed_at_ = e.index;

@@ -135,16 +135,8 @@ class Engine : public std::enable_shared_from_this<Engine> {
     return s;
   }
 
-  // Let go of the tensors the thread laid aside (see bury): GIL held.
-  void exhume() {
-    if (!buried_.load(std::memory_order_acquire)) return;
-    std::vector<at::Tensor> dead;
-    {
-      std::lock_guard<std::mutex> g(grave_mu_);
-      dead.swap(grave_);
-      buried_.store(false, std::memory_order_release);
-    }
-  }
+  // Let go of the tensors the thread laid aside (grave.h): GIL held.
+  void exhume() { grave_.exhume(); }
 
   // (only while nothing is pending: the thread is waiting for work)
   void clear_error() {
@@ -279,9 +271,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
   std::vector<at::Tensor> outs_;
   std::vector<at::Tensor> kept_;  // scratch: run_op's arguments Python holds too
 
-  std::mutex grave_mu_;
-  std::vector<at::Tensor> grave_;  // let go of by the thread, to be destroyed under the GIL
-  std::atomic<bool> buried_{false};
+  Grave grave_;  // let go of by the thread, to be destroyed under the GIL
   std::vector<int64_t> retired_;
 
   void snapshot() {
@@ -419,7 +409,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       Stack stack = std::move(s.stack);
       run_stack(s, stack);
     }  // (the stack let go of its arguments here; those Python holds are still in kept_)
-    bury(kept_);
+    grave_.bury(kept_);
   }
 
   void run_stack(Step& s, Stack& stack) {
@@ -494,7 +484,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
         if (key && !memory_.counted(key)) memory_.add_new(t, key, keys);
       }
     }
-    bury(dead);
+    grave_.bury(dead);
   }
 
   bool call_out(Step& s, const Stack& stack, std::vector<at::Tensor>& outs) {
@@ -558,35 +548,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
       dead = std::move(it->second);
       values_.erase(it);
     }
-    bury(std::move(dead));
-  }
-
-  // -- tensors Python holds too ----------------------------------------------------------------
-  // Since torch 2.10 a tensor with a Python object keeps that object alive while C++ holds it
-  // as well (c10/util/intrusive_ptr.h, "PyObject preservation"): a C++ reference count going
-  // from 2 to 1 decrefs the Python object, which takes the GIL: letting go of a parameter on
-  // this thread would wait for the skeleton's Python (docs/coexec.md, The native engine). Such
-  // tensors are laid aside instead, and let go of by the skeleton at its next call (exhume).
-  void bury(at::Tensor&& t) {
-    if (!python_holds(t)) return;  // (the caller lets go of it)
-    std::lock_guard<std::mutex> g(grave_mu_);
-    grave_.push_back(std::move(t));
-    buried_.store(true, std::memory_order_release);
-  }
-
-  // Those of `ts` Python holds are laid aside, the others let go of (after the lock); `ts` ends
-  // empty.
-  void bury(std::vector<at::Tensor>& ts) {
-    if (ts.empty()) return;
-    {
-      std::lock_guard<std::mutex> g(grave_mu_);
-      for (auto& t : ts)
-        if (python_holds(t)) {
-          grave_.push_back(std::move(t));
-          buried_.store(true, std::memory_order_release);
-        }
-    }
-    ts.clear();
+    grave_.bury(std::move(dead));
   }
 
   // -- the other instructions ----------------------------------------------------------------
@@ -616,7 +578,7 @@ class Engine : public std::enable_shared_from_this<Engine> {
         }
       }
     }
-    bury(dead);
+    grave_.bury(dead);
     for (auto it = released_.begin(); it != released_.end();)
       it = (lo <= *it && *it < hi) ? released_.erase(it) : std::next(it);
   }

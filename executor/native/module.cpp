@@ -23,7 +23,7 @@ Instr of(Instr::Kind kind) {
 }
 
 // The engine as Python holds it: pushing converts while the GIL is held; waiting releases it.
-// Each call first lets go of the tensors Python holds that the engine laid aside (Engine::bury).
+// Each call first lets go of the tensors Python holds that the engine laid aside (grave.h).
 class EngineHandle {
  public:
   explicit EngineHandle(int threads) : e_(std::make_shared<Engine>(threads)) { e_->start(); }

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "grave.h"
 #include "live_bytes.h"
 
 namespace coexec {
@@ -386,12 +387,6 @@ inline void put(Stack& stack, const Ref& ref, const at::Tensor& t) {
   auto list = stack[ref.index].toList().copy();
   list.set(ref.item, t);
   stack[ref.index] = list;
-}
-
-// Does Python hold `t` too (it has a Python object)? Letting go of such a tensor on the engine's
-// thread can take the GIL (Engine::bury says why).
-inline bool python_holds(const at::Tensor& t) {
-  return t.defined() && t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj() != nullptr;
 }
 
 // An op's tensor arguments: the storages they use (an output on one of them is not new memory)

@@ -22,16 +22,20 @@ from tests.coexec.helpers import tensors_of
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="capture runs on the native module")
 
 
-class Mlp:
-    def __init__(self) -> None:
-        self.model = torch.nn.Sequential(
-            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-        )
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+class Classifier:
+    """A classifier's step: a batch of ``shape`` with labels below ``classes``, drawn from a
+    generator seeded by the step, cross-entropy, ``opt``."""
+
+    shape: tuple[int, ...]
+    classes: int
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
 
     def step(self, i: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(5, 8, generator=g), torch.randint(0, 4, (5,), generator=g)
+        x = torch.randn(self.shape, generator=g)
+        y = torch.randint(0, self.classes, self.shape[:1], generator=g)
         self.opt.zero_grad()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
@@ -39,25 +43,26 @@ class Mlp:
         return loss
 
 
-class Cnn:
+class Mlp(Classifier):
+    shape, classes = (5, 8), 4
+
+    def __init__(self) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        super().__init__(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+class Cnn(Classifier):
     """Convolutions, batch norm (running statistics written in place) and Adam (state made in
     the first step)."""
 
+    shape, classes = (4, 3, 8, 8), 10
+
     def __init__(self) -> None:
-        self.model = torch.nn.Sequential(
+        model = torch.nn.Sequential(
             torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
             torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 10),
         )  # fmt: skip
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
-
-    def step(self, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(i)
-        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
-        self.opt.zero_grad()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        self.opt.step()
-        return loss
+        super().__init__(model, torch.optim.Adam(model.parameters(), lr=1e-3))
 
 
 class LstmLm:
