@@ -369,7 +369,8 @@ class GradientTape:
         self.arena = self.memory_budget is None and backend != "native" if arena is None else arena
         self._thread = threading.get_ident()
         self._program: Program | None = None
-        self._step: _Step | None = None
+        self._step: _Step | _NativeStep | None = None
+        self._native_last: tuple[Any, Program] | None = None  # (key, program) of the last native step
 
     # -- context manager ------------------------------------------------------------------
     def __enter__(self) -> "GradientTape":
@@ -382,6 +383,10 @@ class GradientTape:
         frame = sys._getframe(1)
         named = self.key is not None
         key = ("key", self.key) if named else (id(frame.f_code), frame.f_lasti)
+        if self.backend == "native":
+            self._step = _NativeStep(self._native_program(key, frame), self.debug)
+            _local.tape = self
+            return self
         fam = programs.family(key, named, frame.f_code, lambda: _describe(frame))
         program = fam.choose()
         if program is None:
@@ -391,14 +396,23 @@ class GradientTape:
         else:
             programs.touch(program)
         self._program = program
-        if self.backend == "native":
-            self._step = _NativeStep(program, fam, self.debug)
-            _local.tape = self
-            return self
         self._plan(program)
         self._step = _Step(self, program, frame, fam)
         _local.tape = self
         return self
+
+    def _native_program(self, key: Any, frame: Any) -> Program:
+        """The program a native-backend step counts its statistics in: one per ``with`` line
+        or key (no traces choose among several), looked up once per tape and line."""
+        last = self._native_last
+        if last is not None and last[0] == key:
+            return last[1]
+        fam = programs.family(key, self.key is not None, frame.f_code, lambda: _describe(frame))
+        program = fam.choose() or _new_program(fam)
+        programs.touch(program)
+        self._native_last = (key, program)
+        self._program = program
+        return program
 
     def _plan(self, program: Program) -> None:
         """Before a step: plans for this tape's settings, the newest that has arrived (under a
@@ -437,6 +451,11 @@ class GradientTape:
         step, self._step = self._step, None
         _local.tape = None
         assert step is not None
+        if isinstance(step, _NativeStep):
+            step.end(ev)
+            if observe.observers:
+                _notify(step)
+            return False
         try:
             try:
                 step.end(ev)
@@ -444,14 +463,7 @@ class GradientTape:
                 self._program = step.program  # it may have switched program (another model)
                 step.family.ran(step.program)
             if observe.observers:  # python -m tracegraph show --record
-                stats = step.program.stats
-                coexecuted = step.phase == "coexec"
-                covered = coexecuted and step.why is None
-                fell_back = coexecuted and isinstance(step.rec, Skeleton) and step.rec.eager
-                observe.notify(observe.StepReport(
-                    step.program.where, step.program.index, stats.steps - 1, step.phase, covered,
-                    fell_back, step.why,
-                ))  # fmt: skip
+                _notify(step)
         finally:
             # the collector's thresholds back once the step's objects are gone: the collection
             # then due finds them freed, not alive to be moved to an older generation
@@ -560,6 +572,18 @@ def _describe(frame: Any) -> str:
     return CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
 
 
+def _notify(step: Any) -> None:
+    """Tell ``python -m tracegraph show --record`` how the step ran."""
+    stats = step.program.stats
+    coexecuted = step.phase == "coexec"
+    covered = coexecuted and step.why is None
+    fell_back = coexecuted and isinstance(step.rec, Skeleton) and step.rec.eager
+    observe.notify(observe.StepReport(
+        step.program.where, step.program.index, stats.steps - 1, step.phase, covered, fell_back,
+        step.why,
+    ))  # fmt: skip
+
+
 def _new_program(fam: Any) -> Program:
     fam.made += 1
     return programs.add(fam, Program(fam.code, fam.where, fam.made))
@@ -620,9 +644,8 @@ class _NativeStep:
     why = None  # (it never falls back: an op the capture cannot answer runs at once)
     rec = None
 
-    def __init__(self, program: Program, family: Any, debug: bool = False) -> None:
+    def __init__(self, program: Program, debug: bool = False) -> None:
         self.program = program
-        self.family = family
         self.debug = debug
         self.capture = runtime.capture()
         self.phase = "eager" if self.capture is None else "coexec"

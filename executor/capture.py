@@ -29,11 +29,10 @@ runs its steps on it (coexec/tape.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import threading
-from collections.abc import Iterator
-from typing import Literal
+from types import TracebackType
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -49,14 +48,13 @@ _DATA_ACCESS = (
 _RANDOM = ("manual_seed", "seed", "get_rng_state", "set_rng_state")
 
 
-@dataclasses.dataclass(frozen=True)
-class CaptureCounters:
-    """What a capture's kernel did since it was made."""
+class CaptureCounters(NamedTuple):
+    """What a capture's kernel did since it was made (a NamedTuple: read twice a step)."""
 
     ops: int  # ATen ops that came to it
     misses: int  # ops the cache could not answer (run at once; in "tape" mode, meta kernels)
     run_now: int  # ops run at once (misses, ``.item()``-like ops, data-dependent shapes)
-    kernel_seconds: float  # time in the kernel itself
+    kernel_seconds: float  # time in the kernel itself (one op in 8 timed, counted for all)
     taped: int  # ops on the tape ("replay" mode: not replayed yet)
     wait_seconds: float  # the step's thread waiting for the worker (reads, ops run at once, ends)
     worker_seconds: float  # the worker running ops
@@ -81,18 +79,9 @@ class Capture:
         self._native = built
         self._c = built.Capture(mode, torch.get_num_threads())
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self) -> "_CapturedStep":
         """Capture the ops this thread runs inside the ``with`` block."""
-        self._c.begin()
-        try:
-            with _waiting().during(self._c):
-                yield
-        except BaseException:
-            with contextlib.suppress(Exception):  # (the step's own error is the one to see)
-                self._c.end()
-            raise
-        self._c.end()
+        return _CapturedStep(self._c)
 
     def replay(self) -> int:
         """("replay" mode, inside a step) Run the ops taped so far; their number."""
@@ -101,13 +90,35 @@ class Capture:
     @property
     def counters(self) -> CaptureCounters:
         ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns = self._c.counters
-        return CaptureCounters(
-            ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9
-        )
+        return CaptureCounters(ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9)
 
     def close(self) -> None:
         """Stop the worker thread now (it also stops when the capture is collected)."""
         self._c = None
+
+
+class _CapturedStep:
+    """The ``with`` block of ``Capture.step()`` (a class, not a generator: it runs every step)."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, c) -> None:  # noqa: ANN001
+        self._c = c
+
+    def __enter__(self) -> None:
+        self._c.begin()
+        _waiting().put(self._c)
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        _waiting().take()
+        if ev is None:
+            self._c.end()
+        else:
+            with contextlib.suppress(Exception):  # (the step's own error is the one to see)
+                self._c.end()
+        return False
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
@@ -154,17 +165,17 @@ class _Waiting:
 
         self.swaps.append((owner, name, original, waiting))
 
-    @contextlib.contextmanager
-    def during(self, c) -> Iterator[None]:
+    def put(self, c) -> None:  # noqa: ANN001
+        """The wrappers in place for a step of ``c`` in this thread."""
         self.capture, self.thread = c, threading.get_ident()
         for owner, name, _, wrapper in self.swaps:
             setattr(owner, name, wrapper)
-        try:
-            yield
-        finally:
-            for owner, name, original, _ in self.swaps:
-                setattr(owner, name, original)
-            self.capture = None
+
+    def take(self) -> None:
+        """The originals back (the step ended)."""
+        for owner, name, original, _ in self.swaps:
+            setattr(owner, name, original)
+        self.capture = None
 
 
 @functools.cache

@@ -33,6 +33,13 @@
 #include <Python.h>
 #include <frameobject.h>
 #include <pybind11/stl.h>
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+// CPython 3.11's interpreter frames, read without the GIL (Capture::locate)
+#define COEXEC_FRAME_WITHOUT_GIL 1
+#define Py_BUILD_CORE 1
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -47,6 +54,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -95,6 +103,9 @@ void install() {
 enum class Mode { kAsync, kReplay, kTape };
 
 constexpr size_t kVariants = 16;  // cached variants per op and location
+constexpr size_t kMaxLocations = 1 << 16;  // locations counted before the count starts afresh
+constexpr int64_t kBuriedBeforeExhume = 256;  // see locate
+constexpr int64_t kTimedEvery = 8;  // the kernel's time is sampled (a clock read costs ~25 ns)
 
 class Capture {
  public:
@@ -119,6 +130,10 @@ class Capture {
       worker_.reset();
     }
     forget_places();
+    if (!codes_.empty()) {
+      py::gil_scoped_acquire gil;
+      for (PyCodeObject* code : codes_) Py_DECREF(code);
+    }
   }
 
   // The step starts: every op of this thread comes to the kernel until end().
@@ -126,6 +141,8 @@ class Capture {
     Capture* none = nullptr;
     TORCH_CHECK(g_active.compare_exchange_strong(none, this),
                 "coexec: a step is already being captured (one at a time, in one thread)");
+    ++steps_;
+    if (seen_.size() > kMaxLocations) seen_.clear();
     auto tls = c10::impl::tls_local_dispatch_key_set();
     included_before_ = tls.included_;
     tls.included_ = tls.included_ | c10::DispatchKeySet(kKey);
@@ -194,6 +211,9 @@ class Capture {
 
   void add_kernel_ns(int64_t ns) { kernel_ns_ += ns; }
 
+  // Is this op's time in the kernel measured? (one in kTimedEvery, counted for all of them)
+  bool timed_now() { return ops_ % kTimedEvery == 0; }
+
  private:
   Mode mode_ = Mode::kAsync;
   std::unique_ptr<Worker> worker_;
@@ -202,10 +222,16 @@ class Capture {
   // per key, the variants seen (sizes that come back: a last batch, lengths drawn from a
   // range), the latest last; at most kVariants, the oldest dropped first
   std::unordered_map<Key, std::vector<Entry>, KeyHash> cache_;
-  std::unordered_map<Where, int64_t, WhereHash> seen_;  // ops per location in this step
+  // ops per location in this step: (count, step it counts for), kept across steps (a map
+  // cleared per step allocated a node per location per step)
+  std::unordered_map<Where, std::pair<int64_t, int64_t>, WhereHash> seen_;
+  int64_t steps_ = 0;
   std::vector<TapeEntry> tape_;                          // replay and tape modes
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> made_;  // this step's placeholders
-  std::vector<std::pair<PyObject*, int>> places_;  // per op of the step: its code object (owned), offset
+  std::vector<std::pair<PyCodeObject*, int>> places_;  // per op of the step: its code object, offset
+  // every code object an op was called from, owned: places_ and the cache's keys point into it
+  // (a reference per op would need the GIL per op)
+  std::unordered_set<PyCodeObject*> codes_;
   int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
 
   // Wait for the worker, counting the time.
@@ -237,7 +263,6 @@ class Capture {
         if (impl) static_cast<PlaceholderImpl*>(impl.get())->realize();
       }
     made_.clear();
-    seen_.clear();
     if (mode_ == Mode::kTape) tape_.clear();
   }
 
@@ -252,7 +277,7 @@ class Capture {
     {
       py::gil_scoped_acquire gil;
       if (index < static_cast<int64_t>(places_.size()) && places_[index].first != nullptr) {
-        auto* code = reinterpret_cast<PyCodeObject*>(places_[index].first);
+        PyCodeObject* code = places_[index].first;
         int line = PyCode_Addr2Line(code, places_[index].second);
         where = py::str(code->co_filename).cast<std::string>() + ":" + std::to_string(line) + " in " +
                 py::str(code->co_name).cast<std::string>();
@@ -263,25 +288,45 @@ class Capture {
                              std::to_string(index) + ", called at " + where + "): " + message);
   }
 
-  void forget_places() {
-    if (places_.empty()) return;
-    py::gil_scoped_acquire gil;
-    for (auto& p : places_) Py_XDECREF(p.first);
-    places_.clear();
-  }
+  void forget_places() { places_.clear(); }
 
-  // The op's key, and its Python location kept under its index in the step (places_).
+  // The op's key, and its Python location kept under its index in the step (places_). The
+  // torch bindings release the GIL before an op reaches the kernel; on CPython 3.11 the calling
+  // frame is read without it (this thread's own frames, which only this thread changes), and
+  // the GIL is taken only for a code object not seen before, and to let go of what the worker
+  // laid aside once enough has gathered (elsewhere, per op).
   Key locate(const c10::OperatorHandle& op) {
     Key k{&op, {nullptr, -1}, 0};
+#ifdef COEXEC_FRAME_WITHOUT_GIL
+    PyThreadState* ts = PyGILState_GetThisThreadState();
+    _PyInterpreterFrame* f = ts != nullptr && ts->cframe != nullptr ? ts->cframe->current_frame : nullptr;
+    while (f != nullptr && _PyFrame_IsIncomplete(f)) f = f->previous;
+    PyCodeObject* code = f != nullptr ? f->f_code : nullptr;
+    if (code != nullptr) k.where = Where{code, _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT))};
+    const bool fresh = code != nullptr && codes_.find(code) == codes_.end();
+    if (fresh || (worker_ && worker_->buried() > kBuriedBeforeExhume)) {
+      py::gil_scoped_acquire gil;
+      if (fresh) {
+        Py_INCREF(code);
+        codes_.insert(code);
+      }
+      if (worker_) worker_->exhume();
+    }
+#else
+    PyCodeObject* code = nullptr;
     {
       py::gil_scoped_acquire gil;
       PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
-      PyCodeObject* code = f ? PyFrame_GetCode(f) : nullptr;  // (a new reference: kept in places_)
+      code = f ? PyFrame_GetCode(f) : nullptr;  // (a new reference)
       if (f) k.where = Where{code, PyFrame_GetLasti(f)};
-      places_.emplace_back(reinterpret_cast<PyObject*>(code), k.where.lasti);
+      if (code != nullptr && !codes_.insert(code).second) Py_DECREF(code);
       if (worker_) worker_->exhume();
     }
-    k.nth = seen_[k.where]++;
+#endif
+    places_.emplace_back(code, k.where.lasti);
+    auto& seen = seen_[k.where];
+    if (seen.second != steps_) seen = {0, steps_};
+    k.nth = seen.first++;
     return k;
   }
 
@@ -380,39 +425,33 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     torch::jit::drop(*stack, nret);
   }
   if (mode_ != Mode::kAsync) take_written_metadata(*cached, args, included_before_);
-  TapeEntry entry;
+  TapeEntry& entry = worker_ ? worker_->next_entry() : tape_.emplace_back();
   entry.op = &op;
   entry.grad_mode = c10::GradMode::is_enabled();
   entry.index = index;
-  entry.args.reserve(n);
-  for (const auto& a : args) entry.args.push_back(arg_of(a));
+  for (const auto& a : args) entry.add_arg(a);
   for (size_t r = 0; r < nret; ++r) {
     const int w = cached->written[r];
     const OutMeta& m = cached->outputs[r];
+    entry.out_begin.push_back(static_cast<uint32_t>(entry.out_slots.size()));
     c10::IValue out;
-    std::vector<std::shared_ptr<Slot>> slots;
     if (w >= 0) {
       out = args[w];  // (its slot already has the value it will have)
     } else if (m.is_list) {
       std::vector<at::Tensor> l;
       for (const TensorMeta& t : m.tensors) {
         l.push_back(make_ph(t));
-        slots.push_back(slot_of(l.back()));
+        entry.out_slots.push_back(slot_of(l.back()));
       }
       out = l;
     } else {
       at::Tensor t = make_ph(m.tensors[0]);
-      slots.push_back(slot_of(t));
+      entry.out_slots.push_back(slot_of(t));
       out = t;
     }
-    entry.outs.push_back(std::move(slots));
     stack->push_back(std::move(out));
   }
-  if (worker_) {
-    worker_->push(std::move(entry));
-  } else {
-    tape_.push_back(std::move(entry));
-  }
+  if (worker_) worker_->publish();
 }
 
 // Outside a step a placeholder stands for its value (one that outlived its step without a value
@@ -433,10 +472,14 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     outside(op, stack);
     return;
   }
+  if (!c->timed_now()) {
+    c->answer(op, stack);
+    return;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   c->answer(op, stack);
   // (kernel_ns_ is the capture's, updated only on its step's thread)
-  c->add_kernel_ns(ns_since(t0));
+  c->add_kernel_ns(ns_since(t0) * kTimedEvery);
 }
 
 }  // namespace

@@ -34,42 +34,72 @@ namespace py = pybind11;
 // A taped op holds its placeholders' slots, not the placeholders: autograd lets a gradient be
 // stolen into ``.grad`` only when nothing else holds its TensorImpl (AccumulateGrad's use-count
 // check), so a tape holding them would change which ops the backward makes.
-
-struct Arg {
-  c10::IValue value;                         // the argument, placeholders left undefined
-  std::vector<std::shared_ptr<Slot>> slots;  // per tensor in it: its placeholder's slot, or null
-};
+//
+// An entry is flat (its vectors are cleared, not freed, when the op has run), and the worker's
+// entries are reused in place (the Ring below): in steady state taping an op allocates nothing.
 
 std::shared_ptr<Slot> slot_of(const at::Tensor& t) { return is_ph(t) ? impl_of(t)->slot : nullptr; }
 
-Arg arg_of(const c10::IValue& iv) {
-  if (!has_tensor(iv)) return Arg{iv, {}};
-  Arg a;
-  bool any = false;
-  each_tensor(iv, [&](const at::Tensor& t) {
-    a.slots.push_back(slot_of(t));
-    any = any || a.slots.back();
-  });
-  if (!any) return Arg{iv, {}};
-  a.value = map_tensors(iv, [](const at::Tensor& t) { return is_ph(t) ? at::Tensor() : t; });
-  return a;
-}
-
-c10::IValue real_arg(const Arg& a) {
-  if (a.slots.empty()) return a.value;
-  size_t i = 0;
-  return map_tensors(a.value, [&](const at::Tensor& t) {
-    const auto& s = a.slots[i++];
-    return s ? s->real : t;
-  });
-}
-
 struct TapeEntry {
   const c10::OperatorHandle* op = nullptr;  // null: the worker stops
-  std::vector<Arg> args;
-  std::vector<std::vector<std::shared_ptr<Slot>>> outs;  // per return: its placeholders' slots
   bool grad_mode = true;
   int64_t index = 0;  // the op's place in its step (errors name it)
+  // per argument: its value (placeholders left undefined) and where its slots begin in `slots`
+  // (one per tensor in it: its placeholder's slot, or null; none for an argument without one)
+  std::vector<c10::IValue> args;
+  std::vector<uint32_t> arg_slots;
+  std::vector<std::shared_ptr<Slot>> slots;
+  // per return: where its placeholders' slots begin in `out_slots`
+  std::vector<uint32_t> out_begin;
+  std::vector<std::shared_ptr<Slot>> out_slots;
+
+  // Ready for another op (capacity kept).
+  void clear() {
+    op = nullptr;
+    args.clear();
+    arg_slots.clear();
+    slots.clear();
+    out_begin.clear();
+    out_slots.clear();
+  }
+
+  // Append argument `iv`.
+  void add_arg(const c10::IValue& iv) {
+    const auto begin = static_cast<uint32_t>(slots.size());
+    arg_slots.push_back(begin);
+    if (!has_tensor(iv)) {
+      args.push_back(iv);
+      return;
+    }
+    bool any = false;
+    each_tensor(iv, [&](const at::Tensor& t) {
+      slots.push_back(slot_of(t));
+      any = any || slots.back();
+    });
+    if (!any) {
+      slots.resize(begin);
+      args.push_back(iv);
+      return;
+    }
+    args.push_back(map_tensors(iv, [](const at::Tensor& t) { return is_ph(t) ? at::Tensor() : t; }));
+  }
+
+  // Argument `i` with its placeholders' values in place.
+  c10::IValue real_arg(size_t i) const {
+    const uint32_t begin = arg_slots[i];
+    const uint32_t end = i + 1 < arg_slots.size() ? arg_slots[i + 1] : static_cast<uint32_t>(slots.size());
+    if (begin == end) return args[i];
+    uint32_t k = begin;
+    return map_tensors(args[i], [&](const at::Tensor& t) {
+      const auto& s = slots[k++];
+      return s ? s->real : t;
+    });
+  }
+
+  // The slots of return `r` (begin, end) in out_slots.
+  std::pair<uint32_t, uint32_t> outs_of(size_t r) const {
+    return {out_begin[r], r + 1 < out_begin.size() ? out_begin[r + 1] : static_cast<uint32_t>(out_slots.size())};
+  }
 };
 
 // Run one taped op on real tensors (the caller is below autograd) and give its outputs' values to
@@ -78,17 +108,17 @@ void run_entry(const TapeEntry& e) {
   c10::AutoGradMode grad(e.grad_mode);
   torch::jit::Stack stack;
   stack.reserve(e.args.size());
-  for (const Arg& a : e.args) stack.push_back(real_arg(a));
+  for (size_t i = 0; i < e.args.size(); ++i) stack.push_back(e.real_arg(i));
   e.op->callBoxed(stack);
-  for (size_t r = 0; r < e.outs.size(); ++r) {
-    const auto& slots = e.outs[r];
-    if (slots.empty()) continue;
+  for (size_t r = 0; r < e.out_begin.size(); ++r) {
+    const auto [begin, end] = e.outs_of(r);
+    if (begin == end) continue;
     if (stack[r].isTensorList()) {
       auto l = stack[r].toTensorVector();
-      for (size_t i = 0; i < slots.size(); ++i)
-        if (slots[i]) slots[i]->real = l[i];
-    } else if (slots[0]) {
-      slots[0]->real = stack[r].toTensor();
+      for (uint32_t i = begin; i < end; ++i)
+        if (e.out_slots[i]) e.out_slots[i]->real = l[i - begin];
+    } else if (e.out_slots[begin]) {
+      e.out_slots[begin]->real = stack[r].toTensor();
     }
   }
 }
@@ -99,40 +129,44 @@ std::string failure(const std::exception& e) {
 }
 
 // -- the worker ------------------------------------------------------------------------------
-// Ops cross to the worker through a locked queue. Neither side sleeps at once when there is
-// nothing to do: the worker polls for a while before it waits (a wake-up per op cost a system
-// call on both sides), and so does a drain.
+// Ops cross to the worker through a ring of entries with one writer (the step's thread) and one
+// reader (the worker): the writer fills the next free entry in place and publishes it by a
+// count, the reader runs it, clears it and counts it done. Neither side takes a lock per op;
+// neither sleeps at once when there is nothing to do: the worker polls for a while before it
+// waits (a wake-up per op cost a system call on both sides), and so does a drain. A full ring
+// makes the writer wait for the worker (it is far ahead then).
 constexpr auto kSpin = std::chrono::microseconds(200);
+constexpr int64_t kRing = 8192;  // entries (a power of two)
 
 class Worker {
  public:
-  explicit Worker(int threads) : threads_(threads) { thread_ = std::thread([this] { loop(); }); }
+  explicit Worker(int threads) : threads_(threads), ring_(kRing) { thread_ = std::thread([this] { loop(); }); }
 
   ~Worker() {
-    push(TapeEntry());  // (the stop)
+    next_entry();  // (op null: the stop)
+    publish();
     thread_.join();
   }
 
-  void push(TapeEntry e) {
-    bool wake;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      queue_.push_back(std::move(e));
-      pushed_.fetch_add(1, std::memory_order_release);
-      wake = idle_;
-    }
-    if (wake) cv_.notify_all();
+  // The entry the next op is written into (cleared); publish() hands it to the worker. The
+  // step's thread only; waits while the ring is full.
+  TapeEntry& next_entry() {
+    if (pushed_ - done_.load(std::memory_order_acquire) >= kRing) wait_without_gil(pushed_ - kRing + 1);
+    TapeEntry& e = ring_[pushed_ & (kRing - 1)];
+    e.clear();
+    return e;
   }
 
-  // Wait until every op pushed so far has run (without the GIL, if this thread holds it).
-  void drain() {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      wait_done();
-    } else {
-      wait_done();
+  void publish() {
+    published_.store(++pushed_, std::memory_order_seq_cst);
+    if (idle_.load(std::memory_order_seq_cst)) {
+      { std::lock_guard<std::mutex> g(mu_); }
+      cv_.notify_all();
     }
   }
+
+  // Wait until every op published so far has run (without the GIL, if this thread holds it).
+  void drain() { wait_without_gil(pushed_); }
 
   // The first failure since clear_error(): (op index, message), or index -1.
   std::pair<int64_t, std::string> error() {
@@ -146,6 +180,9 @@ class Worker {
   // Let go of the arguments Python holds too that the worker laid aside (bury): GIL held.
   void exhume() { grave_.exhume(); }
 
+  // how many arguments lie aside for exhume()
+  int64_t buried() const { return grave_.count(); }
+
   void clear_error() {
     std::lock_guard<std::mutex> g(mu_);
     failed_at_ = -1;
@@ -155,51 +192,47 @@ class Worker {
 
  private:
   int threads_;
-  std::mutex mu_;
+  std::vector<TapeEntry> ring_;
+  int64_t pushed_ = 0;                       // entries written (the step's thread's own count)
+  std::atomic<int64_t> published_{0};        // entries the worker may run
+  std::atomic<int64_t> done_{0};             // entries run (and cleared) by the worker
+  std::atomic<int64_t> busy_ns_{0};
+  std::mutex mu_;  // for sleeping and waking, and the failure
   std::condition_variable cv_;
-  std::deque<TapeEntry> queue_;
-  std::atomic<int64_t> pushed_{0}, done_{0}, busy_ns_{0};
-  int64_t taken_ = 0;  // (the worker's own count of ops popped)
-  std::atomic<bool> failed_{false};  // ops after a failure are dropped until clear_error()
+  std::atomic<bool> idle_{false};      // the worker sleeps: a publish must wake it
+  std::atomic<bool> draining_{false};  // a drain sleeps: the op that ends it must say so
+  std::atomic<bool> failed_{false};    // ops after a failure are dropped until clear_error()
   int64_t failed_at_ = -1;
   std::string error_;
-  Grave grave_;  // arguments Python holds too, let go of under the GIL
+  Grave grave_;                   // arguments Python holds too, let go of under the GIL
   std::vector<at::Tensor> held_;  // (scratch for bury)
-  bool idle_ = false;      // the worker sleeps: a push must wake it
-  bool draining_ = false;  // a drain sleeps: the op that ends it must say so
   std::thread thread_;
 
   // An op's arguments that Python holds too (parameters, a batch) are not let go of here but
   // by the skeleton, where it holds the GIL anyway (grave.h; Capture::locate exhumes).
-  // (a tensor argument moves to the grave: the entry is let go of next; one in a list is copied)
   void bury(TapeEntry& e) {
-    for (Arg& a : e.args) {
-      if (a.value.isTensor()) {
-        if (python_holds(a.value.toTensor())) held_.push_back(std::move(a.value).toTensor());
+    for (c10::IValue& a : e.args) {
+      if (a.isTensor()) {
+        if (python_holds(a.toTensor())) held_.push_back(std::move(a).toTensor());
         continue;
       }
-      each_tensor(a.value, [this](const at::Tensor& t) {
+      each_tensor(a, [this](const at::Tensor& t) {
         if (python_holds(t)) held_.push_back(t);
       });
     }
     grave_.bury(held_);
   }
 
-  // The next op: polled for without the lock (the skeleton pushes under it), then slept for.
-  TapeEntry next() {
+  // Wait until the entry numbered `taken` is published: polled for, then slept for.
+  void await_published(int64_t taken) {
     const auto until = std::chrono::steady_clock::now() + kSpin;
-    while (pushed_.load(std::memory_order_acquire) == taken_ && std::chrono::steady_clock::now() < until)
+    while (published_.load(std::memory_order_acquire) <= taken && std::chrono::steady_clock::now() < until)
       std::this_thread::yield();
+    if (published_.load(std::memory_order_acquire) > taken) return;
     std::unique_lock<std::mutex> g(mu_);
-    if (queue_.empty()) {
-      idle_ = true;
-      cv_.wait(g, [this] { return !queue_.empty(); });
-      idle_ = false;
-    }
-    TapeEntry e = std::move(queue_.front());
-    queue_.pop_front();
-    ++taken_;
-    return e;
+    idle_.store(true, std::memory_order_seq_cst);
+    cv_.wait(g, [this, taken] { return published_.load(std::memory_order_seq_cst) > taken; });
+    idle_.store(false, std::memory_order_relaxed);
   }
 
   void loop() {
@@ -208,8 +241,9 @@ class Worker {
     // reduction's result depends on how many threads split it)
     at::set_num_threads(threads_);
     at::AutoDispatchBelowADInplaceOrView below;  // the skeleton did the autograd side
-    for (;;) {
-      TapeEntry e = next();
+    for (int64_t taken = 0;; ++taken) {
+      await_published(taken);
+      TapeEntry& e = ring_[taken & (kRing - 1)];
       if (e.op == nullptr) return;
       if (!failed_.load(std::memory_order_acquire)) {
         const auto t0 = std::chrono::steady_clock::now();
@@ -224,26 +258,32 @@ class Worker {
         }
       }
       bury(e);
-      e = TapeEntry();  // (its tensors go before the op counts as done)
-      bool tell;
-      {
-        std::lock_guard<std::mutex> g(mu_);
-        done_.fetch_add(1, std::memory_order_release);
-        tell = draining_;
+      e.clear();  // (its tensors go before the op counts as done)
+      done_.store(taken + 1, std::memory_order_seq_cst);
+      if (draining_.load(std::memory_order_seq_cst)) {
+        { std::lock_guard<std::mutex> g(mu_); }
+        cv_.notify_all();
       }
-      if (tell) cv_.notify_all();
     }
   }
 
-  void wait_done() {
-    const int64_t want = pushed_.load(std::memory_order_acquire);
+  void wait_without_gil(int64_t want) {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      wait_for(want);
+    } else {
+      wait_for(want);
+    }
+  }
+
+  void wait_for(int64_t want) {
     const auto until = std::chrono::steady_clock::now() + kSpin;
     while (done_.load(std::memory_order_acquire) < want) {
       if (std::chrono::steady_clock::now() > until) {
         std::unique_lock<std::mutex> g(mu_);
-        draining_ = true;
-        cv_.wait(g, [this, want] { return done_.load(std::memory_order_acquire) >= want; });
-        draining_ = false;
+        draining_.store(true, std::memory_order_seq_cst);
+        cv_.wait(g, [this, want] { return done_.load(std::memory_order_seq_cst) >= want; });
+        draining_.store(false, std::memory_order_relaxed);
         return;
       }
       std::this_thread::yield();

@@ -30,7 +30,7 @@ class Grave {
     if (!python_holds(t)) return;
     std::lock_guard<std::mutex> g(mu_);
     dead_.push_back(std::move(t));
-    buried_.store(true, std::memory_order_release);
+    buried_.store(static_cast<int64_t>(dead_.size()), std::memory_order_release);
   }
 
   // Those of `ts` Python holds are laid aside, the others let go of (after the lock); `ts` ends
@@ -40,29 +40,30 @@ class Grave {
     {
       std::lock_guard<std::mutex> g(mu_);
       for (auto& t : ts)
-        if (python_holds(t)) {
-          dead_.push_back(std::move(t));
-          buried_.store(true, std::memory_order_release);
-        }
+        if (python_holds(t)) dead_.push_back(std::move(t));
+      buried_.store(static_cast<int64_t>(dead_.size()), std::memory_order_release);
     }
     ts.clear();
   }
 
   // Let go of what was laid aside: GIL held.
   void exhume() {
-    if (!buried_.load(std::memory_order_acquire)) return;
+    if (buried_.load(std::memory_order_acquire) == 0) return;
     std::vector<at::Tensor> dead;
     {
       std::lock_guard<std::mutex> g(mu_);
       dead.swap(dead_);
-      buried_.store(false, std::memory_order_release);
+      buried_.store(0, std::memory_order_release);
     }
   }
+
+  // how many tensors lie aside (read without the lock: a hint)
+  int64_t count() const { return buried_.load(std::memory_order_acquire); }
 
  private:
   std::mutex mu_;
   std::vector<at::Tensor> dead_;
-  std::atomic<bool> buried_{false};
+  std::atomic<int64_t> buried_{0};
 };
 
 }  // namespace coexec
