@@ -207,7 +207,6 @@ class Capture {
 
   void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
-  void note_made(const c10::intrusive_ptr<c10::TensorImpl>& impl) { made_.emplace_back(impl); }
 
   void add_kernel_ns(int64_t ns) { kernel_ns_ += ns; }
 
@@ -227,7 +226,6 @@ class Capture {
   std::unordered_map<Where, std::pair<int64_t, int64_t>, WhereHash> seen_;
   int64_t steps_ = 0;
   std::vector<TapeEntry> tape_;                          // replay and tape modes
-  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> made_;  // this step's placeholders
   std::vector<std::pair<PyCodeObject*, int>> places_;  // per op of the step: its code object, offset
   // every code object an op was called from, owned: places_ and the cache's keys point into it
   // (a reference per op would need the GIL per op)
@@ -257,12 +255,10 @@ class Capture {
       py::gil_scoped_acquire gil;
       worker_->exhume();
     }
-    if (mode_ != Mode::kTape)
-      for (auto& weak : made_) {
-        auto impl = weak.lock();
-        if (impl) static_cast<PlaceholderImpl*>(impl.get())->realize();
-      }
-    made_.clear();
+    const bool realize = mode_ != Mode::kTape;
+    g_live.take_all([realize](PlaceholderImpl* p) {
+      if (realize) p->realize();
+    });
     if (mode_ == Mode::kTape) tape_.clear();
   }
 
@@ -330,7 +326,7 @@ class Capture {
     return k;
   }
 
-  const Entry& fill(const c10::OperatorHandle& op, const Key& key, const std::vector<c10::IValue>& args,
+  const Entry& fill(const c10::OperatorHandle& op, const Key& key, Args args,
                     const torch::jit::Stack& stack) {
     const auto& schema = op.schema();
     Entry e;
@@ -350,18 +346,18 @@ class Capture {
     return variants.back();
   }
 
-  void run_now(const c10::OperatorHandle& op, const Key& key, std::vector<c10::IValue>& args,
+  void run_now(const c10::OperatorHandle& op, const Key& key, Args args,
                torch::jit::Stack* stack);
 };
 
-void made(const c10::intrusive_ptr<c10::TensorImpl>& impl) {
-  if (Capture* c = g_active.load(std::memory_order_relaxed)) c->note_made(impl);
+void made(PlaceholderImpl* impl) {
+  if (g_active.load(std::memory_order_relaxed) != nullptr) g_live.add(impl);
 }
 
 // Run ``op`` on the values of ``args`` (below autograd, with ``included`` as this thread's
 // included keys) and return real tensors, the written arguments themselves (a placeholder among
 // them takes the metadata the op gave its value).
-void run_on_values(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, torch::jit::Stack* stack,
+void run_on_values(const c10::OperatorHandle& op, Args args, torch::jit::Stack* stack,
                    c10::DispatchKeySet included) {
   const auto& schema = op.schema();
   const size_t nret = schema.returns().size();
@@ -384,7 +380,7 @@ void run_on_values(const c10::OperatorHandle& op, const std::vector<c10::IValue>
 }
 
 // As eager: wait for the ops before it, run it on the values, and cache what it made.
-void Capture::run_now(const c10::OperatorHandle& op, const Key& key, std::vector<c10::IValue>& args,
+void Capture::run_now(const c10::OperatorHandle& op, const Key& key, Args args,
                       torch::jit::Stack* stack) {
   ++run_now_;
   drain();
@@ -397,7 +393,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   const size_t nret = schema.returns().size();
-  std::vector<c10::IValue> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
+  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
   torch::jit::drop(*stack, n);
   ++ops_;
   for (const auto& a : args)  // (placeholders report the CPU: a CUDA step would be answered wrong)
@@ -458,7 +454,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // is an error there).
 void outside(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t n = op.schema().arguments().size();
-  std::vector<c10::IValue> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
+  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
   torch::jit::drop(*stack, n);
   run_on_values(op, args, stack, c10::impl::tls_local_dispatch_key_set().included_);
 }

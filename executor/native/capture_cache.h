@@ -32,6 +32,8 @@ namespace py = pybind11;
 
 // -- the cache -------------------------------------------------------------------------------
 
+using Args = c10::ArrayRef<c10::IValue>;  // an op's arguments (taken off its stack)
+
 struct OutMeta {  // one return: a tensor, or a list of them
   bool is_list = false;
   std::vector<TensorMeta> tensors;
@@ -77,7 +79,7 @@ bool has_tensor(const c10::IValue& iv) {
   return any;
 }
 
-bool any_tensor(const std::vector<c10::IValue>& args) {
+bool any_tensor(Args args) {
   for (const auto& a : args)
     if (has_tensor(a)) return true;
   return false;
@@ -103,7 +105,7 @@ c10::IValue const_of(const c10::FunctionSchema& schema, size_t i, const c10::IVa
   return false;
 }
 
-std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, Args args) {
   const bool tensors = any_tensor(args);
   std::vector<c10::IValue> out;
   out.reserve(args.size());
@@ -130,14 +132,14 @@ bool same_const(const c10::IValue& a, const c10::IValue& b) {
   return x.str() == y.str();
 }
 
-void input_metas(const std::vector<c10::IValue>& args, std::vector<TensorMeta>& out) {
+void input_metas(Args args, std::vector<TensorMeta>& out) {
   for (const auto& iv : args)
     each_tensor(iv, [&out](const at::Tensor& t) {
       if (t.defined()) out.push_back(meta_of(t));
     });
 }
 
-bool matches(const Entry& e, const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+bool matches(const Entry& e, const c10::FunctionSchema& schema, Args args) {
   size_t k = 0;
   bool same = true;
   for (const auto& iv : args) {
@@ -174,7 +176,7 @@ std::vector<OutMeta> out_metas(const torch::jit::Stack& stack, size_t nret) {
 // that resizes)? Such an op runs now: Python sees the new shape at once.
 // The written tensor argument of return ``r`` with the metadata the entry says it ends with, if
 // the op changes it (``unsqueeze_``, ``resize_``, an ``out=`` that resizes); else null.
-const at::Tensor* rewritten(const Entry& e, const std::vector<c10::IValue>& args, size_t r) {
+const at::Tensor* rewritten(const Entry& e, Args args, size_t r) {
   const int w = e.written[r];
   if (w < 0 || !args[w].isTensor() || e.outputs[r].is_list) return nullptr;
   const at::Tensor& t = args[w].toTensor();
@@ -183,7 +185,7 @@ const at::Tensor* rewritten(const Entry& e, const std::vector<c10::IValue>& args
 
 // Does the op change a written argument's metadata? Such an op runs now: Python sees the new
 // shape at once.
-bool changes_written(const Entry& e, const std::vector<c10::IValue>& args) {
+bool changes_written(const Entry& e, Args args) {
   for (size_t r = 0; r < e.outputs.size(); ++r)
     if (rewritten(e, args, r) != nullptr) return true;
   return false;
@@ -192,7 +194,7 @@ bool changes_written(const Entry& e, const std::vector<c10::IValue>& args) {
 // Where nothing is computed, an op that changes a written argument's metadata (an ``out=`` that
 // resizes: ``arange``'s) changes it here: a placeholder takes it, a real tensor is resized (its
 // values are computed when the tape runs).
-void take_written_metadata(const Entry& e, const std::vector<c10::IValue>& args, c10::DispatchKeySet included_before) {
+void take_written_metadata(const Entry& e, Args args, c10::DispatchKeySet included_before) {
   for (size_t r = 0; r < e.outputs.size(); ++r) {
     const at::Tensor* t = rewritten(e, args, r);
     if (t == nullptr) continue;

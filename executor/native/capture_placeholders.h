@@ -38,10 +38,16 @@ struct Slot {
 
 class Capture;
 std::atomic<Capture*> g_active{nullptr};  // the capture a step is running under, if any
-void made(const c10::intrusive_ptr<c10::TensorImpl>& impl);
+struct PlaceholderImpl;
+void made(PlaceholderImpl* impl);
+void gone(PlaceholderImpl* impl);
 
 struct PlaceholderImpl : c10::TensorImpl {
   std::shared_ptr<Slot> slot;
+  // (the step's live placeholders are a list through them: Live below)
+  PlaceholderImpl* live_prev = nullptr;
+  PlaceholderImpl* live_next = nullptr;
+  bool live = false;
 
   PlaceholderImpl(caffe2::TypeMeta dtype, std::shared_ptr<Slot> s)
       : TensorImpl(c10::DispatchKeySet(kKey), dtype, c10::Device(c10::kCPU)), slot(std::move(s)) {}
@@ -61,9 +67,10 @@ struct PlaceholderImpl : c10::TensorImpl {
     if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) slot = other->slot;
   }
 
-  // (a dead placeholder stays allocated while the capture's weak reference to it lives: its
-  // value must not)
+  ~PlaceholderImpl() override { gone(this); }
+
   void release_resources() override {
+    gone(this);
     slot.reset();
     TensorImpl::release_resources();
   }
@@ -92,10 +99,60 @@ struct PlaceholderImpl : c10::TensorImpl {
   c10::intrusive_ptr<TensorImpl> copy(Version&& version, bool allow_metadata_change) const {
     auto impl = c10::make_intrusive<PlaceholderImpl>(dtype(), slot);
     copy_tensor_metadata(this, impl.get(), std::forward<Version>(version), allow_metadata_change);
-    made(impl);
+    made(impl.get());
     return impl;
   }
 };
+
+// The placeholders made during the step being captured that are still alive (each becomes its
+// value at the step's end): a list through them, so a dead one is freed at once (a weak
+// reference per placeholder kept their memory to the step's end: the allocator's slow path per
+// op, and a burst of frees at the end). Locked: a placeholder may die in another thread.
+class Live {
+ public:
+  void add(PlaceholderImpl* p) {
+    std::lock_guard<std::mutex> g(mu_);
+    p->live = true;
+    p->live_prev = nullptr;
+    p->live_next = head_;
+    if (head_ != nullptr) head_->live_prev = p;
+    head_ = p;
+  }
+
+  void remove(PlaceholderImpl* p) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!p->live) return;
+    if (p->live_prev != nullptr) p->live_prev->live_next = p->live_next;
+    else head_ = p->live_next;
+    if (p->live_next != nullptr) p->live_next->live_prev = p->live_prev;
+    p->live = false;
+    p->live_prev = p->live_next = nullptr;
+  }
+
+  // Call f on each and empty the list.
+  template <typename F>
+  void take_all(F f) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (PlaceholderImpl* p = head_; p != nullptr;) {
+      PlaceholderImpl* next = p->live_next;
+      f(p);
+      p->live = false;
+      p->live_prev = p->live_next = nullptr;
+      p = next;
+    }
+    head_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  PlaceholderImpl* head_ = nullptr;
+};
+
+Live g_live;
+
+void gone(PlaceholderImpl* impl) {
+  if (impl->live) g_live.remove(impl);
+}
 
 int64_t ns_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
@@ -129,7 +186,7 @@ at::Tensor make_ph(const TensorMeta& m) {
   if (m.dtype == c10::ScalarType::Undefined) return at::Tensor();
   auto impl = c10::make_intrusive<PlaceholderImpl>(c10::scalarTypeToTypeMeta(m.dtype), std::make_shared<Slot>());
   impl->take_metadata(m.sizes, m.strides, m.offset);
-  made(impl);
+  made(impl.get());
   return at::Tensor(std::move(impl));
 }
 
