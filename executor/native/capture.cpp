@@ -147,6 +147,7 @@ class Capture {
     included_before_ = tls.included_;
     tls.included_ = tls.included_ | c10::DispatchKeySet(kKey);
     c10::impl::_force_tls_local_dispatch_key_set(tls);
+    if (worker_) t_trash = &trash_;
   }
 
   // The step ends: its ops are computed, placeholders still alive become their values, and a
@@ -226,6 +227,7 @@ class Capture {
   std::unordered_map<Where, std::pair<int64_t, int64_t>, WhereHash> seen_;
   int64_t steps_ = 0;
   std::vector<TapeEntry> tape_;                          // replay and tape modes
+  std::vector<std::shared_ptr<Slot>> trash_;  // slots let go of since the last op (t_trash)
   std::vector<std::pair<PyCodeObject*, int>> places_;  // per op of the step: its code object, offset
   // every code object an op was called from, owned: places_ and the cache's keys point into it
   // (a reference per op would need the GIL per op)
@@ -250,7 +252,9 @@ class Capture {
     set_included(included_before_);
     paused_ = 0;
     g_active.store(nullptr);
+    t_trash = nullptr;
     drain();
+    trash_.clear();  // (let go of after the ops that use them)
     if (worker_) {
       py::gil_scoped_acquire gil;
       worker_->exhume();
@@ -447,7 +451,10 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
     stack->push_back(std::move(out));
   }
-  if (worker_) worker_->publish();
+  if (worker_) {
+    entry.trash.swap(trash_);  // (capacity goes back and forth: no allocation)
+    worker_->publish();
+  }
 }
 
 // Outside a step a placeholder stands for its value (one that outlived its step without a value

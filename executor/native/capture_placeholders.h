@@ -36,6 +36,11 @@ struct Slot {
   at::Tensor real;  // the value, once computed
 };
 
+// In the thread whose step is captured (async mode): the slots its placeholders let go of, for
+// the worker to let go of in turn (Capture::answer hands them over with the next op), so values
+// the worker allocated are freed in its thread, not across threads (the allocator's locks).
+thread_local std::vector<std::shared_ptr<Slot>>* t_trash = nullptr;
+
 class Capture;
 std::atomic<Capture*> g_active{nullptr};  // the capture a step is running under, if any
 struct PlaceholderImpl;
@@ -71,7 +76,11 @@ struct PlaceholderImpl : c10::TensorImpl {
 
   void release_resources() override {
     gone(this);
-    slot.reset();
+    if (t_trash != nullptr && slot) {
+      t_trash->push_back(std::move(slot));
+    } else {
+      slot.reset();
+    }
     TensorImpl::release_resources();
   }
 
