@@ -227,7 +227,7 @@ class Capture {
   std::unordered_map<Where, std::pair<int64_t, int64_t>, WhereHash> seen_;
   int64_t steps_ = 0;
   std::vector<TapeEntry> tape_;                          // replay and tape modes
-  std::vector<std::shared_ptr<Slot>> trash_;  // slots let go of since the last op (t_trash)
+  std::vector<at::Tensor> trash_;  // values let go of since the last op (t_trash)
   std::vector<std::pair<PyCodeObject*, int>> places_;  // per op of the step: its code object, offset
   // every code object an op was called from, owned: places_ and the cache's keys point into it
   // (a reference per op would need the GIL per op)

@@ -36,10 +36,12 @@ struct Slot {
   at::Tensor real;  // the value, once computed
 };
 
-// In the thread whose step is captured (async mode): the slots its placeholders let go of, for
-// the worker to let go of in turn (Capture::answer hands them over with the next op), so values
-// the worker allocated are freed in its thread, not across threads (the allocator's locks).
-thread_local std::vector<std::shared_ptr<Slot>>* t_trash = nullptr;
+// In the thread whose step is captured (async mode): the values its placeholders let go of last,
+// for the worker to let go of in turn (Capture::answer hands them over with the next op), so
+// buffers the worker allocated are freed in its thread, not across threads (the allocator's
+// arena locks; the worker could not reuse its own chunks). The slots themselves are freed here,
+// where they are allocated.
+thread_local std::vector<at::Tensor>* t_trash = nullptr;
 
 class Capture;
 std::atomic<Capture*> g_active{nullptr};  // the capture a step is running under, if any
@@ -76,11 +78,10 @@ struct PlaceholderImpl : c10::TensorImpl {
 
   void release_resources() override {
     gone(this);
-    if (t_trash != nullptr && slot) {
-      t_trash->push_back(std::move(slot));
-    } else {
-      slot.reset();
-    }
+    // (use_count 1: nothing else holds the slot, and nothing can take it now)
+    if (t_trash != nullptr && slot && slot.use_count() == 1 && slot->real.defined())
+      t_trash->push_back(std::move(slot->real));
+    slot.reset();
     TensorImpl::release_resources();
   }
 

@@ -52,8 +52,8 @@ struct TapeEntry {
   // per return: where its placeholders' slots begin in `out_slots`
   std::vector<uint32_t> out_begin;
   std::vector<std::shared_ptr<Slot>> out_slots;
-  // slots the skeleton let go of since the op before (t_trash): let go of by the worker
-  std::vector<std::shared_ptr<Slot>> trash;
+  // values the skeleton let go of since the op before (t_trash): let go of by the worker
+  std::vector<at::Tensor> trash;
 
   // Ready for another op (capacity kept).
   void clear() {
@@ -214,8 +214,8 @@ class Worker {
   // An op's arguments that Python holds too (parameters, a batch) are not let go of here but
   // by the skeleton, where it holds the GIL anyway (grave.h; Capture::locate exhumes).
   void bury(TapeEntry& e) {
-    for (auto& s : e.trash)  // (a value Python holds: an op that returned its input, lift_fresh)
-      if (s.use_count() == 1 && python_holds(s->real)) held_.push_back(std::move(s->real));
+    for (at::Tensor& t : e.trash)  // (a value Python holds: an op that returned its input, lift_fresh)
+      if (python_holds(t)) held_.push_back(std::move(t));
     for (c10::IValue& a : e.args) {
       if (a.isTensor()) {
         if (python_holds(a.toTensor())) held_.push_back(std::move(a).toTensor());
