@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
+from pathlib import Path
 from types import TracebackType
 from typing import Literal, NamedTuple
 
@@ -77,7 +79,7 @@ class Capture:
                 "(switched off by COEXEC_NATIVE=0, or it could not be built: see the warning)"
             )
         self._native = built
-        self._c = built.Capture(mode, torch.get_num_threads())
+        self._c = built.Capture(mode, torch.get_num_threads(), _internal_dirs())
 
     def step(self) -> "_CapturedStep":
         """Capture the ops this thread runs inside the ``with`` block."""
@@ -119,6 +121,16 @@ class _CapturedStep:
             with contextlib.suppress(Exception):  # (the step's own error is the one to see)
                 self._c.end()
         return False
+
+
+@functools.cache
+def _internal_dirs() -> list[str]:
+    """Where torch's and coexec's own Python files are: an error on the worker names the
+    innermost frame outside them (the user's line) before the op's own frame."""
+    dirs = [Path(torch.__file__).parent]
+    dirs += [Path(__file__).parents[1] / name for name in ("coexec", "executor", "tracegraph", "planner")]
+    # (as imported and with links resolved: code objects name their file as it was imported)
+    return sorted({str(p) + os.sep for d in dirs for p in (d, d.resolve())})
 
 
 def is_placeholder(t: torch.Tensor) -> bool:

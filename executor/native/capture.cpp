@@ -54,6 +54,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <optional>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -109,7 +110,8 @@ constexpr int64_t kTimedEvery = 8;  // the kernel's time is sampled (a clock rea
 
 class Capture {
  public:
-  Capture(const std::string& mode, int threads) {
+  Capture(const std::string& mode, int threads, std::vector<std::string> internal)
+      : internal_(std::move(internal)) {
     if (mode == "async") {
       mode_ = Mode::kAsync;
     } else if (mode == "replay") {
@@ -132,7 +134,7 @@ class Capture {
     forget_places();
     if (!codes_.empty()) {
       py::gil_scoped_acquire gil;
-      for (PyCodeObject* code : codes_) Py_DECREF(code);
+      for (auto& [code, internal] : codes_) Py_DECREF(code);
     }
   }
 
@@ -228,10 +230,18 @@ class Capture {
   int64_t steps_ = 0;
   std::vector<TapeEntry> tape_;                          // replay and tape modes
   std::vector<at::Tensor> trash_;  // values let go of since the last op (t_trash)
-  std::vector<std::pair<PyCodeObject*, int>> places_;  // per op of the step: its code object, offset
-  // every code object an op was called from, owned: places_ and the cache's keys point into it
-  // (a reference per op would need the GIL per op)
-  std::unordered_set<PyCodeObject*> codes_;
+  // per op of the step: where it was called (errors name it)
+  struct Place {
+    PyCodeObject* code;  // the innermost Python frame
+    int lasti;
+    PyCodeObject* user;  // the innermost frame outside torch and coexec (null: none)
+    int user_lasti;
+  };
+  std::vector<Place> places_;
+  // every code object met on the way to an op, owned (places_ and the cache's keys point into
+  // it; a reference per op would need the GIL per op), and whether it is torch's or coexec's
+  std::unordered_map<PyCodeObject*, bool> codes_;
+  std::vector<std::string> internal_;  // the directories whose code is not the user's
   int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
 
   // Wait for the worker, counting the time.
@@ -276,11 +286,11 @@ class Capture {
     std::string where = "an unknown place";
     {
       py::gil_scoped_acquire gil;
-      if (index < static_cast<int64_t>(places_.size()) && places_[index].first != nullptr) {
-        PyCodeObject* code = places_[index].first;
-        int line = PyCode_Addr2Line(code, places_[index].second);
-        where = py::str(code->co_filename).cast<std::string>() + ":" + std::to_string(line) + " in " +
-                py::str(code->co_name).cast<std::string>();
+      if (index < static_cast<int64_t>(places_.size()) && places_[index].code != nullptr) {
+        const Place& p = places_[index];
+        // the user's line first, then the library's where the op was made inside it
+        const bool inside = p.user != nullptr && (p.user != p.code || p.user_lasti != p.lasti);
+        where = inside ? line_of(p.user, p.user_lasti) + ", in " + line_of(p.code, p.lasti) : line_of(p.code, p.lasti);
       }
     }
     forget_places();
@@ -290,40 +300,82 @@ class Capture {
 
   void forget_places() { places_.clear(); }
 
-  // The op's key, and its Python location kept under its index in the step (places_). The
-  // torch bindings release the GIL before an op reaches the kernel; on CPython 3.11 the calling
-  // frame is read without it (this thread's own frames, which only this thread changes), and
+  // "file:line in function" (GIL held)
+  static std::string line_of(PyCodeObject* code, int lasti) {
+    return py::str(code->co_filename).cast<std::string>() + ":" + std::to_string(PyCode_Addr2Line(code, lasti)) +
+           " in " + py::str(code->co_name).cast<std::string>();
+  }
+
+  // Is `code` torch's or coexec's (not the user's)? It is held from now on; the GIL is taken
+  // for a code object not seen before.
+  bool internal(PyCodeObject* code, std::optional<py::gil_scoped_acquire>& gil) {
+    auto it = codes_.find(code);
+    if (it != codes_.end()) return it->second;
+    if (!gil) gil.emplace();
+    Py_INCREF(code);
+    const std::string file = py::str(code->co_filename).cast<std::string>();
+    bool in = false;
+    for (const std::string& dir : internal_) in = in || file.compare(0, dir.size(), dir) == 0;
+    codes_.emplace(code, in);
+    return in;
+  }
+
+  static constexpr int kUserDepth = 64;  // frames looked through for the user's
+
+  // The op's key (its innermost Python frame's code and offset: an op inside a library function
+  // is told apart by its line there), and where it was called kept under its index in the step
+  // (places_: that frame, and the innermost one outside torch and coexec, the user's line that
+  // errors name). The torch bindings release the GIL before an op reaches the kernel; on CPython
+  // 3.11 the frames are read without it (this thread's own, which only this thread changes), and
   // the GIL is taken only for a code object not seen before, and to let go of what the worker
   // laid aside once enough has gathered (elsewhere, per op).
   Key locate(const c10::OperatorHandle& op) {
     Key k{&op, {nullptr, -1}, 0};
+    Place place{nullptr, -1, nullptr, -1};
+    std::optional<py::gil_scoped_acquire> gil;
 #ifdef COEXEC_FRAME_WITHOUT_GIL
     PyThreadState* ts = PyGILState_GetThisThreadState();
     _PyInterpreterFrame* f = ts != nullptr && ts->cframe != nullptr ? ts->cframe->current_frame : nullptr;
-    while (f != nullptr && _PyFrame_IsIncomplete(f)) f = f->previous;
-    PyCodeObject* code = f != nullptr ? f->f_code : nullptr;
-    if (code != nullptr) k.where = Where{code, _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT))};
-    const bool fresh = code != nullptr && codes_.find(code) == codes_.end();
-    if (fresh || (worker_ && worker_->buried() > kBuriedBeforeExhume)) {
-      py::gil_scoped_acquire gil;
-      if (fresh) {
-        Py_INCREF(code);
-        codes_.insert(code);
+    const auto offset = [](_PyInterpreterFrame* g) {
+      return _PyInterpreterFrame_LASTI(g) * static_cast<int>(sizeof(_Py_CODEUNIT));
+    };
+    for (int depth = 0; f != nullptr && depth < kUserDepth; f = f->previous, ++depth) {
+      if (_PyFrame_IsIncomplete(f)) continue;
+      const bool in = internal(f->f_code, gil);
+      if (place.code == nullptr) place = Place{f->f_code, offset(f), nullptr, -1};
+      if (!in) {
+        place.user = f->f_code;
+        place.user_lasti = offset(f);
+        break;
       }
-      if (worker_) worker_->exhume();
+    }
+    if (worker_ && (gil || worker_->buried() > kBuriedBeforeExhume)) {
+      if (!gil) gil.emplace();
+      worker_->exhume();
     }
 #else
-    PyCodeObject* code = nullptr;
-    {
-      py::gil_scoped_acquire gil;
-      PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
-      code = f ? PyFrame_GetCode(f) : nullptr;  // (a new reference)
-      if (f) k.where = Where{code, PyFrame_GetLasti(f)};
-      if (code != nullptr && !codes_.insert(code).second) Py_DECREF(code);
-      if (worker_) worker_->exhume();
+    gil.emplace();
+    PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
+    Py_XINCREF(f);
+    for (int depth = 0; f != nullptr && depth < kUserDepth; ++depth) {
+      PyCodeObject* code = PyFrame_GetCode(f);  // (a new reference: internal() holds its own)
+      const bool in = internal(code, gil);
+      Py_DECREF(code);
+      if (place.code == nullptr) place = Place{code, PyFrame_GetLasti(f), nullptr, -1};
+      if (!in) {
+        place.user = code;
+        place.user_lasti = PyFrame_GetLasti(f);
+        break;
+      }
+      PyFrameObject* back = PyFrame_GetBack(f);  // (a new reference)
+      Py_DECREF(f);
+      f = back;
     }
+    Py_XDECREF(f);
+    if (worker_) worker_->exhume();
 #endif
-    places_.emplace_back(code, k.where.lasti);
+    if (place.code != nullptr) k.where = Where{place.code, place.lasti};
+    places_.push_back(place);
     auto& seen = seen_[k.where];
     if (seen.second != steps_) seen = {0, steps_};
     k.nth = seen.first++;
@@ -489,7 +541,8 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
 
 void bind_capture(py::module_& m) {
   py::class_<Capture>(m, "Capture")
-      .def(py::init<const std::string&, int>(), py::arg("mode"), py::arg("threads"))
+      .def(py::init<const std::string&, int, std::vector<std::string>>(), py::arg("mode"), py::arg("threads"),
+           py::arg("internal"))
       .def("begin", &Capture::begin)
       .def("end", &Capture::end)
       .def("pause", &Capture::pause)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -281,6 +282,32 @@ def test_a_failure_on_the_worker_names_the_op_and_its_line() -> None:
     with capture.step():
         total = _select(w, torch.tensor([2, 3])).sum()
     assert total.item() == w[2:].sum().item()
+
+
+def _look_up(table: torch.nn.Module, index: torch.Tensor) -> torch.Tensor:
+    return table(index).sum()
+
+
+def test_a_failure_inside_torch_names_the_users_line_then_torchs() -> None:
+    """The failing op is made inside torch (``nn.Embedding.forward`` calls ``F.embedding``):
+    the error names the user's line that called the module first, then torch's line."""
+    table = torch.nn.Embedding(4, 3)
+    capture = Capture()
+    with capture.step():
+        _look_up(table, torch.tensor([0, 1]))
+    line = _look_up.__code__.co_firstlineno + 1
+    sep = re.escape(os.sep)
+    with (
+        pytest.raises(
+            RuntimeError,
+            match=(
+                rf"called at \S*test_capture\.py:{line} in _look_up, in \S*torch{sep}nn{sep}functional\.py:\d+ "
+                r"in embedding\): .*index out of range"
+            ),
+        ),
+        capture.step(),
+    ):
+        _look_up(table, torch.tensor([0, 9]))
 
 
 def test_an_op_that_fails_at_once_raises_where_eager_does() -> None:
