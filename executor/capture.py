@@ -81,7 +81,7 @@ class Capture:
         self._native = built
         self._c = built.Capture(mode, torch.get_num_threads(), _internal_dirs())
 
-    def step(self) -> "_CapturedStep":
+    def step(self) -> _CapturedStep:
         """Capture the ops this thread runs inside the ``with`` block."""
         return _CapturedStep(self._c)
 
@@ -92,7 +92,9 @@ class Capture:
     @property
     def counters(self) -> CaptureCounters:
         ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns = self._c.counters
-        return CaptureCounters(ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9)
+        return CaptureCounters(
+            ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9
+        )
 
     def close(self) -> None:
         """Stop the worker thread now (it also stops when the capture is collected)."""
@@ -104,7 +106,7 @@ class _CapturedStep:
 
     __slots__ = ("_c",)
 
-    def __init__(self, c) -> None:  # noqa: ANN001
+    def __init__(self, c) -> None:
         self._c = c
 
     def __enter__(self) -> None:
@@ -128,7 +130,9 @@ def _internal_dirs() -> list[str]:
     """Where torch's and coexec's own Python files are: an error on the worker names the
     innermost frame outside them (the user's line) before the op's own frame."""
     dirs = [Path(torch.__file__).parent]
-    dirs += [Path(__file__).parents[1] / name for name in ("coexec", "executor", "tracegraph", "planner")]
+    dirs += [
+        Path(__file__).parents[1] / name for name in ("coexec", "executor", "tracegraph", "planner")
+    ]
     # (as imported and with links resolved: code objects name their file as it was imported)
     return sorted({str(p) + os.sep for d in dirs for p in (d, d.resolve())})
 
@@ -177,7 +181,7 @@ class _Waiting:
 
         self.swaps.append((owner, name, original, waiting))
 
-    def put(self, c) -> None:  # noqa: ANN001
+    def put(self, c) -> None:
         """The wrappers in place for a step of ``c`` in this thread."""
         self.capture, self.thread = c, threading.get_ident()
         for owner, name, _, wrapper in self.swaps:

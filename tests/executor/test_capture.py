@@ -310,6 +310,23 @@ def test_a_failure_inside_torch_names_the_users_line_then_torchs() -> None:
         _look_up(table, torch.tensor([0, 9]))
 
 
+def test_a_step_with_more_ops_than_the_ring_holds() -> None:
+    """The skeleton issues 9000 in-place adds far faster than the worker runs them: past 8192
+    queued ops it waits for the worker (the ring is full), and every add is made, in order."""
+    x = torch.zeros(100_000)
+    eager = x.clone()
+    for k in range(9000):
+        eager.add_(k % 7)
+    capture = Capture()
+    for _ in range(2):  # (the second step is answered from the cache: every add queued)
+        y = x.clone()
+        with capture.step():
+            for k in range(9000):
+                y.add_(k % 7)
+        assert torch.equal(y, eager)
+    assert capture.counters.run_now < 9000 * 2
+
+
 def test_an_op_that_fails_at_once_raises_where_eager_does() -> None:
     with pytest.raises(RuntimeError) as eager:
         torch.ones(2) @ torch.ones(3)
