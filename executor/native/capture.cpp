@@ -62,6 +62,7 @@
 #include "capture_cache.h"
 #include "capture_placeholders.h"
 #include "capture_worker.h"
+#include "cpu_bytes.h"
 
 namespace py = pybind11;
 
@@ -553,6 +554,13 @@ void bind_capture(py::module_& m) {
       .def_property_readonly("stepping", &Capture::stepping)
       .def_property_readonly("counters", &Capture::counters);
   m.def("is_placeholder", &is_ph);
+  // (bench/native_memory.py) the CPU allocator's bytes: counted from the first call on
+  m.def("count_cpu_bytes", [] { count_cpu_bytes(); });
+  m.def("cpu_bytes", [] {
+    auto& c = count_cpu_bytes();
+    return py::make_tuple(c.live(), c.peak());
+  });
+  m.def("reset_cpu_peak", [] { count_cpu_bytes().reset_peak(); });
 }
 
 }  // namespace coexec

@@ -9,6 +9,8 @@ import io
 import itertools
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -408,3 +410,28 @@ def test_a_copy_of_a_model_trained_under_capture_is_plain() -> None:
             state.step(i)
     clone = copy.deepcopy(state.model)
     assert all(torch.equal(a, b) for a, b in zip(clone.parameters(), state.model.parameters()))
+
+
+def test_the_cpu_byte_count_is_exact() -> None:
+    """``count_cpu_bytes`` (bench/native_memory.py) wraps the process's CPU allocator for good, so
+    it is checked in a process of its own: a tensor's bytes are live while it is, the peak holds
+    the most, and kernels that allocate through ``raw_allocate`` (convolutions) work over it."""
+    code = (
+        "import torch\n"
+        "from executor import native\n"
+        "m = native.wait()\n"
+        "m.count_cpu_bytes()\n"
+        "live0, _ = m.cpu_bytes()\n"
+        "m.reset_cpu_peak()\n"
+        "a = torch.empty(1000)\n"
+        "b = torch.empty(250, dtype=torch.float64)\n"
+        "assert m.cpu_bytes()[0] - live0 == 4000 + 2000, m.cpu_bytes()\n"
+        "del a\n"
+        "live, peak = m.cpu_bytes()\n"
+        "assert (live - live0, peak - live0) == (2000, 6000), (live - live0, peak - live0)\n"
+        "y = torch.nn.functional.conv2d(torch.ones(1, 3, 8, 8), torch.ones(4, 3, 3, 3))\n"
+        "assert y[0, 0, 0, 0].item() == 27.0\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,84 @@
+// A count of the bytes the CPU allocator hands out, for measuring a step's peak on the CPU
+// (bench/native_memory.py): the default CPU allocator wrapped, live bytes and their peak kept
+// in atomics. Installed on request only (count_cpu_bytes), for the process's life: tensors
+// allocated before it are not counted.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
+#include <cstdint>
+#include <new>
+#include <utility>
+
+namespace coexec {
+
+class CountingCPUAllocator final : public c10::Allocator {
+ public:
+  explicit CountingCPUAllocator(c10::Allocator* base) : base_(base) {}
+
+  // A block of the base allocator, `kHeader` bytes longer: the header says how to free it and
+  // how many bytes it counts, and the data pointer is its own context (some kernels allocate
+  // through raw_allocate, which requires that).
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base_->allocate(n + kHeader);
+    char* block = static_cast<char*>(inner.get());
+    const c10::DeleterFnPtr deleter = inner.get_deleter();
+    void* context = inner.release_context();
+    new (block) Header{context, deleter, static_cast<int64_t>(n), this};
+    add(static_cast<int64_t>(n));
+    void* data = block + kHeader;
+    return {data, data, &release, c10::Device(c10::kCPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  int64_t live() const { return live_.load(std::memory_order_relaxed); }
+  int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  void reset_peak() { peak_.store(live(), std::memory_order_relaxed); }
+
+ private:
+  static constexpr size_t kHeader = 64;  // (keeps the data at the base's 64-byte alignment)
+
+  struct Header {
+    void* context;  // the base allocator's, and its deleter
+    c10::DeleterFnPtr deleter;
+    int64_t n;
+    CountingCPUAllocator* owner;
+  };
+  static_assert(sizeof(Header) <= kHeader);
+
+  c10::Allocator* base_;
+  std::atomic<int64_t> live_{0}, peak_{0};
+
+  void add(int64_t n) {
+    const int64_t now = live_.fetch_add(n, std::memory_order_relaxed) + n;
+    int64_t seen = peak_.load(std::memory_order_relaxed);
+    while (now > seen && !peak_.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
+
+  static void release(void* data) {
+    auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
+    const Header h = *header;
+    h.owner->live_.fetch_sub(h.n, std::memory_order_relaxed);
+    h.deleter(h.context);
+  }
+};
+
+// The process's counting allocator, installed at the first call.
+inline CountingCPUAllocator& count_cpu_bytes() {
+  static CountingCPUAllocator* counting = [] {
+    auto* a = new CountingCPUAllocator(c10::GetCPUAllocator());
+    c10::SetCPUAllocator(a, /*priority=*/100);
+    return a;
+  }();
+  return *counting;
+}
+
+}  // namespace coexec
