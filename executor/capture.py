@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import linecache
 import os
 import threading
 from pathlib import Path
@@ -101,6 +102,9 @@ class Capture:
         self._c = None
 
 
+_FAILED_ON_THE_WORKER = "coexec: an op of the captured step failed when the executor ran it"
+
+
 class _CapturedStep:
     """The ``with`` block of ``Capture.step()`` (a class, not a generator: it runs every step)."""
 
@@ -118,11 +122,50 @@ class _CapturedStep:
     ) -> bool:
         _waiting().take()
         if ev is None:
-            self._c.end()
+            try:
+                self._c.end()
+            except RuntimeError as error:
+                if not str(error).startswith(_FAILED_ON_THE_WORKER):
+                    raise
+                try:
+                    tb = _traceback_at(self._c.failure_frames)
+                except Exception:  # noqa: BLE001 (never hide the step's error behind one of making frames)
+                    tb = None
+                if tb is None:
+                    raise
+                raise error.with_traceback(tb) from None
         else:
             with contextlib.suppress(Exception):  # (the step's own error is the one to see)
                 self._c.end()
         return False
+
+
+def _traceback_at(frames: list[tuple[str, int, str]]) -> TracebackType | None:
+    """A traceback through ``frames`` (file, line, function; outermost first): an op that failed
+    on the worker is raised at the step's end, and its traceback goes on to the user's line and
+    the library's where the op was made, as if it had failed there (shown with their source)."""
+    tb = None
+    for file, line, name in reversed(frames):
+        # (a frame at that line of that file; its raise spans the line's text, so Python
+        # underlines none of it)
+        text = linecache.getline(file, line)
+        indent = len(text) - len(text.lstrip())
+        error = "_" * max(1, len(text.strip()) - len("raise "))
+        source = f"{' ' * indent}raise {error}"
+        lines = (
+            "\n" * (line - 1) + source if indent == 0 else "\n" * (line - 2) + "if 1:\n" + source
+        )
+        code = compile(lines, file, "exec").replace(co_name=name)
+        try:
+            exec(code, {error: _Marker()})  # noqa: S102 (our own one-line raise)
+        except _Marker as marker:
+            at = marker.__traceback__.tb_next
+        tb = TracebackType(tb, at.tb_frame, at.tb_lasti, at.tb_lineno)
+    return tb
+
+
+class _Marker(Exception):
+    """Raised only to make a frame at a given place (_traceback_at)."""
 
 
 @functools.cache

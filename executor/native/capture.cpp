@@ -55,6 +55,7 @@
 #include <thread>
 #include <unordered_map>
 #include <optional>
+#include <tuple>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -145,6 +146,7 @@ class Capture {
     TORCH_CHECK(g_active.compare_exchange_strong(none, this),
                 "coexec: a step is already being captured (one at a time, in one thread)");
     ++steps_;
+    failure_frames_.clear();
     if (seen_.size() > kMaxLocations) seen_.clear();
     auto tls = c10::impl::tls_local_dispatch_key_set();
     included_before_ = tls.included_;
@@ -285,13 +287,18 @@ class Capture {
     if (index < 0) return;
     worker_->clear_error();
     std::string where = "an unknown place";
+    failure_frames_.clear();
     {
       py::gil_scoped_acquire gil;
       if (index < static_cast<int64_t>(places_.size()) && places_[index].code != nullptr) {
         const Place& p = places_[index];
         // the user's line first, then the library's where the op was made inside it
         const bool inside = p.user != nullptr && (p.user != p.code || p.user_lasti != p.lasti);
-        where = inside ? line_of(p.user, p.user_lasti) + ", in " + line_of(p.code, p.lasti) : line_of(p.code, p.lasti);
+        if (inside) failure_frames_.push_back(frame_of(p.user, p.user_lasti));
+        failure_frames_.push_back(frame_of(p.code, p.lasti));
+        where.clear();
+        for (const auto& [file, line, name] : failure_frames_)
+          where += (where.empty() ? "" : ", in ") + file + ":" + std::to_string(line) + " in " + name;
       }
     }
     forget_places();
@@ -301,11 +308,20 @@ class Capture {
 
   void forget_places() { places_.clear(); }
 
-  // "file:line in function" (GIL held)
-  static std::string line_of(PyCodeObject* code, int lasti) {
-    return py::str(code->co_filename).cast<std::string>() + ":" + std::to_string(PyCode_Addr2Line(code, lasti)) +
-           " in " + py::str(code->co_name).cast<std::string>();
+  using Frame = std::tuple<std::string, int, std::string>;  // file, line, function
+
+  static Frame frame_of(PyCodeObject* code, int lasti) {  // (GIL held)
+    return {py::str(code->co_filename).cast<std::string>(), PyCode_Addr2Line(code, lasti),
+            py::str(code->co_name).cast<std::string>()};
   }
+
+ public:
+  // Where the last failure raised on the worker was called: the user's frame, then the
+  // library's (file, line, function), outermost first; empty where unknown.
+  const std::vector<Frame>& failure_frames() const { return failure_frames_; }
+
+ private:
+  std::vector<Frame> failure_frames_;
 
   // Is `code` torch's or coexec's (not the user's)? It is held from now on; the GIL is taken
   // for a code object not seen before.
@@ -552,7 +568,8 @@ void bind_capture(py::module_& m) {
       .def("wait", &Capture::wait)
       .def("replay", &Capture::replay)
       .def_property_readonly("stepping", &Capture::stepping)
-      .def_property_readonly("counters", &Capture::counters);
+      .def_property_readonly("counters", &Capture::counters)
+      .def_property_readonly("failure_frames", &Capture::failure_frames);
   m.def("is_placeholder", &is_ph);
   // (bench/native_memory.py) the CPU allocator's bytes: counted from the first call on
   m.def("count_cpu_bytes", [] { count_cpu_bytes(); });

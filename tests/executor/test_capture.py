@@ -11,7 +11,9 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -310,6 +312,29 @@ def test_a_failure_inside_torch_names_the_users_line_then_torchs() -> None:
         capture.step(),
     ):
         _look_up(table, torch.tensor([0, 9]))
+
+
+def test_a_failure_on_the_worker_has_a_traceback_to_the_users_line() -> None:
+    """Raised at the step's end, the error's traceback goes on to the user's line and torch's,
+    with their source, as if the op had failed there."""
+    table = torch.nn.Embedding(4, 3)
+    capture = Capture()
+    with capture.step():
+        _look_up(table, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError) as failed, capture.step():
+        _look_up(table, torch.tensor([0, 9]))
+    *_, user, lib = traceback.extract_tb(failed.value.__traceback__)
+    assert (Path(user.filename).name, user.lineno, user.name) == (
+        "test_capture.py",
+        _look_up.__code__.co_firstlineno + 1,
+        "_look_up",
+    )
+    assert user.line == "return table(index).sum()"
+    assert (
+        Path(lib.filename).parts[-3:] == ("torch", "nn", "functional.py")
+        and lib.name == "embedding"
+    )
+    assert lib.line.startswith("return torch.embedding(")
 
 
 def test_a_step_with_more_ops_than_the_ring_holds() -> None:
