@@ -78,9 +78,12 @@ struct PlaceholderImpl : c10::TensorImpl {
 
   void release_resources() override {
     gone(this);
-    // (use_count 1: nothing else holds the slot, and nothing can take it now)
-    if (t_trash != nullptr && slot && slot.use_count() == 1 && slot->real.defined())
-      t_trash->push_back(std::move(slot->real));
+    // (use_count 1: nothing else holds the slot, and nothing can take it now; the fence orders
+    // the read of its value after the worker's last release of it, which wrote the value)
+    if (t_trash != nullptr && slot && slot.use_count() == 1) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (slot->real.defined()) t_trash->push_back(std::move(slot->real));
+    }
     slot.reset();
     TensorImpl::release_resources();
   }

@@ -36,7 +36,7 @@ namespace py = pybind11;
 // check), so a tape holding them would change which ops the backward makes.
 //
 // An entry is flat (its vectors are cleared, not freed, when the op has run), and the worker's
-// entries are reused in place (the Ring below): in steady state taping an op allocates nothing.
+// entries are reused in place (its ring, below): in steady state taping an op allocates nothing.
 
 std::shared_ptr<Slot> slot_of(const at::Tensor& t) { return is_ph(t) ? impl_of(t)->slot : nullptr; }
 
