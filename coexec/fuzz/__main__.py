@@ -1,4 +1,4 @@
-"""``python -m coexec.fuzz --programs N --steps S --seed K [--jobs J] [--features ...]``
+"""``python -m coexec.fuzz --programs N --steps S --seed K [--jobs J] [--features ...] [--backend B]``
 
 Runs programs of seeds K..K+N-1, prints one line per program and a final table; exits 1 if any
 program diverged or crashed under coexec only.
@@ -19,16 +19,20 @@ from .spec import FEATURES
 
 
 def results(
-    seeds: Sequence[int], steps: int, features: tuple[str, ...] | None, jobs: int
+    seeds: Sequence[int],
+    steps: int,
+    features: tuple[str, ...] | None,
+    jobs: int,
+    backend: str = "interpret",
 ) -> Iterator[FuzzResult]:
     """Each seed's result, in seed order (in ``jobs`` spawned processes when ``jobs > 1``).
     Warnings are silenced: programs trip torch's (max_traces reached, scalar conversions)."""
     if jobs <= 1:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            yield from (run_program(s, steps, features) for s in seeds)
+            yield from (run_program(s, steps, features, backend=backend) for s in seeds)
         return
-    work = partial(run_quiet, steps=steps, features=features)
+    work = partial(run_quiet, steps=steps, features=features, backend=backend)
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         yield from pool.imap(work, seeds)
 
@@ -83,12 +87,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--shrink", action="store_true",
         help="for each failure, find a smallest --features set that still fails",
     )  # fmt: skip
+    ap.add_argument(
+        "--backend", choices=("interpret", "native"), default="interpret",
+        help="the GradientTape backend the coexec runs use",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     seeds = range(args.seed, args.seed + args.programs)
     features = tuple(args.features) if args.features else None
     start = time.perf_counter()
     done: list[FuzzResult] = []
-    for r in results(seeds, args.steps, features, args.jobs):
+    for r in results(seeds, args.steps, features, args.jobs, args.backend):
         done.append(r)
         print(line(len(done), len(seeds), r), flush=True)
     print()
@@ -97,11 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in (r for r in done if r.failed):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                feats, small = shrink(r.seed, args.steps, features)
+                feats, small = shrink(r.seed, args.steps, features, backend=args.backend)
             print(
                 f"\nseed {r.seed} shrunk: {small.outcome} at step {small.diverged_at}: "
                 f"{small.detail}\n  python -m coexec.fuzz --programs 1 --seed {r.seed} "
-                f"--steps {args.steps} --features {' '.join(sorted(feats))}"
+                f"--steps {args.steps} --backend {args.backend} --features {' '.join(sorted(feats))}"
             )
     return 1 if any(r.failed for r in done) else 0
 

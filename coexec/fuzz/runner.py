@@ -114,12 +114,24 @@ def _loss_bits(loss: torch.Tensor) -> str:
     return struct.pack(">d", value).hex()
 
 
-def run_once(spec: Spec, steps: int, use_coexec: bool, tamper: Tamper | None = None) -> RunResult:
-    """Train ``spec`` for ``steps`` steps from ``torch.manual_seed(spec.seed)``."""
+def run_once(
+    spec: Spec,
+    steps: int,
+    use_coexec: bool,
+    tamper: Tamper | None = None,
+    backend: str = "interpret",
+) -> RunResult:
+    """Train ``spec`` for ``steps`` steps from ``torch.manual_seed(spec.seed)`` (under coexec
+    with ``backend``; the native backend has no traces, arena or ``sync="none"``, so the
+    program's options for those are not used there)."""
     torch.manual_seed(spec.seed)
     state = build(spec)
     tape = None
-    if use_coexec:
+    if use_coexec and backend == "native":
+        tape = coexec.GradientTape(
+            key=("fuzz", spec.seed, next(_runs)), timeout=60.0, backend="native"
+        )
+    elif use_coexec:
         tape = coexec.GradientTape(
             key=("fuzz", spec.seed, next(_runs)), timeout=60.0,
             max_traces=2 if "max_traces_2" in spec.extra else 10,
@@ -191,10 +203,12 @@ def _err(e: tuple[int, str, str] | None) -> str:
     return "no error" if e is None else f"{e[1]} at step {e[0]}: {e[2]}"
 
 
-def run_spec(spec: Spec, steps: int, tamper: Tamper | None = None) -> FuzzResult:
-    """Run ``spec`` eagerly then under coexec and compare."""
+def run_spec(
+    spec: Spec, steps: int, tamper: Tamper | None = None, backend: str = "interpret"
+) -> FuzzResult:
+    """Run ``spec`` eagerly then under coexec (``backend``) and compare."""
     eager = run_once(spec, steps, False)
-    co = run_once(spec, steps, True, tamper)
+    co = run_once(spec, steps, True, tamper, backend)
     at, detail = compare(eager, co)
     stats = co.stats
     return FuzzResult(
@@ -214,36 +228,46 @@ def run_spec(spec: Spec, steps: int, tamper: Tamper | None = None) -> FuzzResult
 
 
 def run_program(
-    seed: int, steps: int, features: Iterable[str] | None = None, tamper: Tamper | None = None
+    seed: int,
+    steps: int,
+    features: Iterable[str] | None = None,
+    tamper: Tamper | None = None,
+    backend: str = "interpret",
 ) -> FuzzResult:
     """Generate the program of ``seed`` (restricted to ``features``) and compare it."""
-    return run_spec(generate(seed, features), steps, tamper)
+    return run_spec(generate(seed, features), steps, tamper, backend)
 
 
-def run_quiet(seed: int, steps: int, features: Iterable[str] | None = None) -> FuzzResult:
+def run_quiet(
+    seed: int, steps: int, features: Iterable[str] | None = None, backend: str = "interpret"
+) -> FuzzResult:
     """:func:`run_program` with warnings silenced (a worker process's entry point)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return run_program(seed, steps, features)
+        return run_program(seed, steps, features, backend=backend)
 
 
 def shrink(
-    seed: int, steps: int, features: Iterable[str] | None = None, tamper: Tamper | None = None
+    seed: int,
+    steps: int,
+    features: Iterable[str] | None = None,
+    tamper: Tamper | None = None,
+    backend: str = "interpret",
 ) -> tuple[frozenset[str], FuzzResult]:
     """The smallest feature set (greedily, one feature dropped at a time) with which the
     program of ``seed`` still fails the same way (same outcome); and its result. Returns the
     program's own features and result if it does not fail."""
     feats = generate(seed, features).features()
-    best = run_program(seed, steps, feats, tamper)
+    best = run_program(seed, steps, feats, tamper, backend)
     if not best.failed:
         return feats, best
     dropped = True
     while dropped:
         dropped = False
         for f in sorted(feats):
-            r = run_program(seed, steps, feats - {f}, tamper)
+            r = run_program(seed, steps, feats - {f}, tamper, backend)
             if r.outcome == best.outcome:
                 feats, best, dropped = feats - {f}, r, True
     return generate(seed, feats).features(), best  # what the program has (an optimizer)

@@ -10,6 +10,7 @@ import pytest
 from coexec.fuzz import FEATURES, generate, run_program
 from coexec.fuzz.__main__ import main
 from coexec.fuzz.interp import State
+from executor import native
 
 SEEDS = range(10)
 STEPS = 8
@@ -27,6 +28,31 @@ def test_generated_program_is_bit_equal_to_eager(seed):
 @pytest.mark.parametrize("seed", range(100, 200))
 def test_generated_program_is_bit_equal_to_eager_longer(seed):
     r = run_program(seed, 30, features=set(FEATURES) - KNOWN_BUGS)
+    assert not r.failed, r
+
+
+_NEEDS_NATIVE = pytest.mark.skipif(
+    not native.enabled(), reason="the native backend needs the native module"
+)
+
+
+@_NEEDS_NATIVE
+@pytest.mark.parametrize("seed", SEEDS)
+def test_generated_program_is_bit_equal_to_eager_on_the_native_backend(seed):
+    """``GradientTape(backend="native")`` (its steps captured in C++): the same programs, the
+    same records (losses, printed text, checkpoints, state digests) as eager."""
+    native.wait()  # (a step before the module is loaded runs eagerly: nothing would be checked)
+    r = run_program(seed, STEPS, backend="native")
+    assert not r.failed, r
+    assert r.coexec_steps == r.steps or r.eager_error is not None, r
+
+
+@_NEEDS_NATIVE
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100, 200))
+def test_generated_program_is_bit_equal_to_eager_on_the_native_backend_longer(seed):
+    native.wait()
+    r = run_program(seed, 30, backend="native")
     assert not r.failed, r
 
 
@@ -108,8 +134,8 @@ def test_cli_prints_the_table_and_exits_zero(capsys):
 def test_cli_exits_non_zero_and_lists_a_failing_seed(monkeypatch, capsys):
     import coexec.fuzz.__main__ as cli
 
-    def planted(seed, steps, features=None):
-        return run_program(seed, steps, features, tamper=_lr_times_2_at_step_5)
+    def planted(seed, steps, features=None, backend="interpret"):
+        return run_program(seed, steps, features, tamper=_lr_times_2_at_step_5, backend=backend)
 
     monkeypatch.setattr(cli, "run_program", planted)
     args = ["--programs", "1", "--steps", "7", "--seed", "1", "--features", "linear", "sgd"]
