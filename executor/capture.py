@@ -33,6 +33,7 @@ import functools
 import linecache
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Literal, NamedTuple
@@ -187,26 +188,32 @@ def is_placeholder(t: torch.Tensor) -> bool:
 
 
 class _Waiting:
-    """The wrapped Tensor methods and generator functions (made once, put in place for each
-    step): in the thread whose step is captured they wait for the worker first and run with
-    capture paused; in other threads they call the originals. Only in place during a step:
-    torch's own ``__torch_function__`` handling and the recorder tell these methods apart by
-    identity (left in place, printing and ``numpy()`` broke for the default backend's
-    placeholders and traces)."""
+    """The wrapped Tensor methods and generator functions (made once): in the thread whose step
+    is captured they wait for the worker first and run with capture paused; elsewhere they are
+    torch's own. Torch's own ``__torch_function__`` handling and the recorder tell these methods
+    apart by identity (left in place as plain attributes, printing and ``numpy()`` broke for the
+    default backend's placeholders and traces), so outside a step, and in other threads,
+    ``torch.Tensor.numpy`` and the rest must be the originals:
+
+    * the Tensor methods are :class:`_StepMethod` descriptors, put on ``torch.Tensor`` once,
+      which give the wrapper or the original as the step's state says (swapping them per step
+      cost 36 ``setattr``s on a class with many subclasses, each emptying method caches);
+    * the generator functions are module attributes, swapped per step (a ``setattr`` on a
+      module is a dict store)."""
 
     def __init__(self) -> None:
         self.capture = None  # the native capture whose step runs
         self.thread = 0
         self.swaps: list[tuple[object, str, object, object]] = []  # owner, name, original, wrapper
         for name in _DATA_ACCESS:
-            self._wrap(torch.Tensor, name, realize_first=True)
-        for name in _RANDOM:
-            self._wrap(torch, name, realize_first=False)
-            self._wrap(torch.random, name, realize_first=False)
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, _StepMethod(original, self._wrap(original, True), self))
+        for owner in (torch, torch.random):
+            for name in _RANDOM:
+                original = getattr(owner, name)
+                self.swaps.append((owner, name, original, self._wrap(original, False)))
 
-    def _wrap(self, owner: object, name: str, realize_first: bool) -> None:
-        original = getattr(owner, name)
-
+    def _wrap(self, original: Callable, realize_first: bool) -> Callable:
         @functools.wraps(original)
         def waiting(*args, **kwargs):
             c = self.capture
@@ -222,7 +229,7 @@ class _Waiting:
             finally:
                 c.resume()
 
-        self.swaps.append((owner, name, original, waiting))
+        return waiting
 
     def put(self, c) -> None:
         """The wrappers in place for a step of ``c`` in this thread."""
@@ -235,6 +242,25 @@ class _Waiting:
         for owner, name, original, _ in self.swaps:
             setattr(owner, name, original)
         self.capture = None
+
+    def stepping_here(self) -> bool:
+        return self.capture is not None and threading.get_ident() == self.thread
+
+
+class _StepMethod:
+    """A ``torch.Tensor`` attribute that is ``original`` (torch's own function or method
+    descriptor, the very object) except in the thread of a captured step, where it is
+    ``wrapper``."""
+
+    __slots__ = ("__wrapped__", "original", "waiting", "wrapper")
+
+    def __init__(self, original: Callable, wrapper: Callable, waiting: _Waiting) -> None:
+        self.original, self.wrapper, self.waiting = original, wrapper, waiting
+        self.__wrapped__ = original
+
+    def __get__(self, obj: object, owner: type | None = None) -> Callable:
+        f = self.wrapper if self.waiting.stepping_here() else self.original
+        return f if obj is None else f.__get__(obj, owner)
 
 
 @functools.cache
