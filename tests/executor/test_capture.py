@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -377,6 +378,20 @@ def test_the_wrapped_methods_are_torchs_own_outside_a_step() -> None:
     assert all(inside[name] is not before[name] for name in names)
     assert {name: getattr(torch.Tensor, name) for name in names} == before
     assert (torch.manual_seed, torch.random.manual_seed) == seeds
+
+
+def test_other_threads_see_torchs_own_methods_during_a_step() -> None:
+    """The wrappers are the step's thread's only: a thread beside it reads torch's objects."""
+    before = torch.Tensor.numpy
+    capture = Capture()
+    seen = {}
+    with capture.step():
+        reader = threading.Thread(target=lambda: seen.update(numpy=torch.Tensor.numpy))
+        reader.start()
+        reader.join()
+        assert torch.Tensor.numpy is not before
+    assert seen["numpy"] is before
+    assert torch.Tensor.numpy is before
 
 
 def test_reading_a_real_tensor_waits_for_its_writes() -> None:
