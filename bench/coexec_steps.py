@@ -1,7 +1,7 @@
 """Step time of coexec vs eager for the example programs, and where co-executed steps spend it.
 
     python bench/coexec_steps.py [--steps 20] [--programs static_mlp,resnet] [--backend native]
-                                 [--out bench/out]
+                                 [--out bench/out] [--processes N]
 
 Per program, one eager instance and one coexec instance run side by side in one process,
 alternating step by step after a warm-up (eager: 3 steps; coexec: until it co-executes, plus
@@ -20,13 +20,21 @@ answered in C++, computed by a C++ worker; the executor columns are that worker'
 
 Writes ``coexec_steps.md`` (the table) and ``coexec_breakdown.png`` (Fig. 3.11-style bars) to
 ``--out``.
+
+``--processes N`` (N > 1) runs the measurement in N fresh processes, one after another, and
+prints per program the median of their ratios with the lowest and highest: on a small shared
+machine the ratio of steps of a third of a millisecond moves by 10-20% from one process to the
+next (allocator state, where the threads land), more than within one process, so a change to
+such steps is judged on several processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,13 +125,44 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def over_processes(args: argparse.Namespace) -> None:
+    """The ratios of ``args.processes`` fresh processes: median, lowest, highest per program."""
+    ratios: dict[str, list[float]] = {name: [] for name in args.programs.split(",")}
+    for k in range(args.processes):
+        cmd = [
+            sys.executable, __file__, "--steps", str(args.steps), "--programs", args.programs,
+            "--backend", args.backend, "--ratios-only",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"process {k + 1} failed:\n{done.stderr}")
+        for name, ratio in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            ratios[name].append(ratio)
+        print(f"process {k + 1}/{args.processes} done", file=sys.stderr, flush=True)
+    rows = [
+        {"program": name, "median ratio": statistics.median(r), "lowest": min(r), "highest": max(r)}
+        for name, r in ratios.items()
+    ]
+    mean = statistics.geometric_mean([row["median ratio"] for row in rows])
+    print(
+        f"torch {torch.__version__}, backend {args.backend}, 1 intra-op thread, {args.steps} "
+        f"measured steps per program, coexec/eager in {args.processes} processes\n\n"
+        f"{markdown_table(rows)}\n\ngeometric mean of the medians: {mean:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--programs", default=",".join(p.name for p in PROGRAMS))
     ap.add_argument("--backend", default="interpret", choices=coexec.tape.BACKENDS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "out"))
+    ap.add_argument("--processes", type=int, default=1, help="fresh processes to measure in")
+    ap.add_argument("--ratios-only", action="store_true", help=argparse.SUPPRESS)  # (a child's output)
     args = ap.parse_args()
+    if args.processes > 1:
+        over_processes(args)
+        return
     torch.set_num_threads(1)
     if args.backend == "native" and native.wait() is None:
         raise SystemExit("the native module is not available")
@@ -133,6 +172,9 @@ def main() -> None:
     for name in args.programs.split(","):
         rows.append(measure(name, args.steps, args.backend))
         print(f"measured {name}", file=sys.stderr, flush=True)
+    if args.ratios_only:
+        print(json.dumps({row["program"]: row["ratio"] for row in rows}))
+        return
     text = (
         f"torch {torch.__version__}, backend {args.backend}, 1 intra-op thread, "
         f"{args.steps} measured steps per program, "
