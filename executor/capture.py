@@ -122,23 +122,29 @@ class _CapturedStep:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> bool:
         _waiting().take()
-        if ev is None:
-            try:
-                self._c.end()
-            except RuntimeError as error:
-                if not str(error).startswith(_FAILED_ON_THE_WORKER):
-                    raise
-                try:
-                    tb = _traceback_at(self._c.failure_frames)
-                except Exception:  # noqa: BLE001 (never hide the step's error behind one of making frames)
-                    tb = None
-                if tb is None:
-                    raise
-                raise error.with_traceback(tb) from None
-        else:
+        if ev is not None:
             with contextlib.suppress(Exception):  # (the step's own error is the one to see)
                 self._c.end()
+            return False
+        try:
+            self._c.end()
+        except RuntimeError as error:
+            tb = _worker_traceback(self._c, error)
+            if tb is None:
+                raise
+            raise error.with_traceback(tb) from None
         return False
+
+
+def _worker_traceback(c, error: RuntimeError) -> TracebackType | None:
+    """For an op that failed on the worker, a traceback to where it was called; else None (also
+    if making the frames fails: the step's error is never hidden behind that one)."""
+    if not str(error).startswith(_FAILED_ON_THE_WORKER):
+        return None
+    try:
+        return _traceback_at(c.failure_frames)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _traceback_at(frames: list[tuple[str, int, str]]) -> TracebackType | None:
@@ -216,9 +222,11 @@ class _Waiting:
     def _wrap(self, original: Callable, realize_first: bool) -> Callable:
         @functools.wraps(original)
         def waiting(*args, **kwargs):
-            c = self.capture
-            if c is None or threading.get_ident() != self.thread:
+            if (
+                not self.stepping_here()
+            ):  # (a method bound during a step, called later or elsewhere)
                 return original(*args, **kwargs)
+            c = self.capture
             if realize_first:
                 c.realize(args[0])
             else:

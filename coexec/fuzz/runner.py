@@ -127,17 +127,16 @@ def run_once(
     torch.manual_seed(spec.seed)
     state = build(spec)
     tape = None
-    if use_coexec and backend == "native":
-        tape = coexec.GradientTape(
-            key=("fuzz", spec.seed, next(_runs)), timeout=60.0, backend="native"
-        )
-    elif use_coexec:
-        tape = coexec.GradientTape(
-            key=("fuzz", spec.seed, next(_runs)), timeout=60.0,
-            max_traces=2 if "max_traces_2" in spec.extra else 10,
-            arena=False if "no_arena" in spec.extra else None,
-            sync="none" if "sync_none" in spec.extra else "step",
-        )  # fmt: skip
+    if use_coexec:
+        options = {}  # (the native backend has no traces, arena or sync="none")
+        if backend != "native":
+            options = {
+                "max_traces": 2 if "max_traces_2" in spec.extra else 10,
+                "arena": False if "no_arena" in spec.extra else None,
+                "sync": "none" if "sync_none" in spec.extra else "step",
+            }
+        key = ("fuzz", spec.seed, next(_runs))
+        tape = coexec.GradientTape(key=key, timeout=60.0, backend=backend, **options)
     records: list[StepRecord] = []
     error = None
     start = time.perf_counter()

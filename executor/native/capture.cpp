@@ -56,7 +56,6 @@
 #include <unordered_map>
 #include <optional>
 #include <tuple>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -133,7 +132,6 @@ class Capture {
       py::gil_scoped_release nogil;
       worker_.reset();
     }
-    forget_places();
     if (!codes_.empty()) {
       py::gil_scoped_acquire gil;
       for (auto& [code, internal] : codes_) Py_DECREF(code);
@@ -161,7 +159,7 @@ class Capture {
     TORCH_CHECK(stepping(), "coexec: end() without begin()");
     end_quietly();
     raise_failure();
-    forget_places();
+    places_.clear();
   }
 
   // Capture off and on again within a step, around what reads memory outside the dispatcher
@@ -213,6 +211,12 @@ class Capture {
 
   void answer(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 
+  using Frame = std::tuple<std::string, int, std::string>;  // file, line, function
+
+  // Where the last failure raised on the worker was called: the user's frame, then the
+  // library's (file, line, function), outermost first; empty where unknown.
+  const std::vector<Frame>& failure_frames() const { return failure_frames_; }
+
 
   void add_kernel_ns(int64_t ns) { kernel_ns_ += ns; }
 
@@ -241,6 +245,7 @@ class Capture {
     int user_lasti;
   };
   std::vector<Place> places_;
+  std::vector<Frame> failure_frames_;
   // every code object met on the way to an op, owned (places_ and the cache's keys point into
   // it; a reference per op would need the GIL per op), and whether it is torch's or coexec's
   std::unordered_map<PyCodeObject*, bool> codes_;
@@ -301,27 +306,15 @@ class Capture {
           where += (where.empty() ? "" : ", in ") + file + ":" + std::to_string(line) + " in " + name;
       }
     }
-    forget_places();
+    places_.clear();
     throw std::runtime_error("coexec: an op of the captured step failed when the executor ran it (op " +
                              std::to_string(index) + ", called at " + where + "): " + message);
   }
-
-  void forget_places() { places_.clear(); }
-
-  using Frame = std::tuple<std::string, int, std::string>;  // file, line, function
 
   static Frame frame_of(PyCodeObject* code, int lasti) {  // (GIL held)
     return {py::str(code->co_filename).cast<std::string>(), PyCode_Addr2Line(code, lasti),
             py::str(code->co_name).cast<std::string>()};
   }
-
- public:
-  // Where the last failure raised on the worker was called: the user's frame, then the
-  // library's (file, line, function), outermost first; empty where unknown.
-  const std::vector<Frame>& failure_frames() const { return failure_frames_; }
-
- private:
-  std::vector<Frame> failure_frames_;
 
   // Is `code` torch's or coexec's (not the user's)? It is held from now on; the GIL is taken
   // for a code object not seen before.
@@ -353,50 +346,48 @@ class Capture {
 #ifdef COEXEC_FRAME_WITHOUT_GIL
     PyThreadState* ts = PyGILState_GetThisThreadState();
     _PyInterpreterFrame* f = ts != nullptr && ts->cframe != nullptr ? ts->cframe->current_frame : nullptr;
-    const auto offset = [](_PyInterpreterFrame* g) {
-      return _PyInterpreterFrame_LASTI(g) * static_cast<int>(sizeof(_Py_CODEUNIT));
-    };
-    for (int depth = 0; f != nullptr && depth < kUserDepth; f = f->previous, ++depth) {
-      if (_PyFrame_IsIncomplete(f)) continue;
-      const bool in = internal(f->f_code, gil);
-      if (place.code == nullptr) place = Place{f->f_code, offset(f), nullptr, -1};
-      if (!in) {
-        place.user = f->f_code;
-        place.user_lasti = offset(f);
+    for (int depth = 0; f != nullptr && depth < kUserDepth; f = f->previous, ++depth)
+      if (!_PyFrame_IsIncomplete(f) &&
+          visit(f->f_code, _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT)), place, gil))
         break;
-      }
-    }
-    if (worker_ && (gil || worker_->buried() > kBuriedBeforeExhume)) {
-      if (!gil) gil.emplace();
-      worker_->exhume();
-    }
 #else
     gil.emplace();
     PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
     Py_XINCREF(f);
     for (int depth = 0; f != nullptr && depth < kUserDepth; ++depth) {
       PyCodeObject* code = PyFrame_GetCode(f);  // (a new reference: internal() holds its own)
-      const bool in = internal(code, gil);
+      const bool user = visit(code, PyFrame_GetLasti(f), place, gil);
       Py_DECREF(code);
-      if (place.code == nullptr) place = Place{code, PyFrame_GetLasti(f), nullptr, -1};
-      if (!in) {
-        place.user = code;
-        place.user_lasti = PyFrame_GetLasti(f);
-        break;
-      }
+      if (user) break;
       PyFrameObject* back = PyFrame_GetBack(f);  // (a new reference)
       Py_DECREF(f);
       f = back;
     }
     Py_XDECREF(f);
-    if (worker_) worker_->exhume();
 #endif
+    if (worker_ && (gil || worker_->buried() > kBuriedBeforeExhume)) {
+      if (!gil) gil.emplace();
+      worker_->exhume();
+    }
     if (place.code != nullptr) k.where = Where{place.code, place.lasti};
     places_.push_back(place);
     auto& seen = seen_[k.where];
     if (seen.second != steps_) seen = {0, steps_};
     k.nth = seen.first++;
     return k;
+  }
+
+  // One frame of locate's walk outwards: the first is the op's own place; true at the user's
+  // (the first outside torch and coexec), where the walk stops.
+  bool visit(PyCodeObject* code, int lasti, Place& place, std::optional<py::gil_scoped_acquire>& gil) {
+    if (place.code == nullptr) {
+      place.code = code;
+      place.lasti = lasti;
+    }
+    if (internal(code, gil)) return false;
+    place.user = code;
+    place.user_lasti = lasti;
+    return true;
   }
 
   const Entry& fill(const c10::OperatorHandle& op, const Key& key, Args args,
@@ -422,10 +413,6 @@ class Capture {
   void run_now(const c10::OperatorHandle& op, const Key& key, Args args,
                torch::jit::Stack* stack);
 };
-
-void made(PlaceholderImpl* impl) {
-  if (g_active.load(std::memory_order_relaxed) != nullptr) g_live.add(impl);
-}
 
 // Run ``op`` on the values of ``args`` (below autograd, with ``included`` as this thread's
 // included keys) and return real tensors, the written arguments themselves (a placeholder among
@@ -544,14 +531,11 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     outside(op, stack);
     return;
   }
-  if (!c->timed_now()) {
-    c->answer(op, stack);
-    return;
-  }
-  const auto t0 = std::chrono::steady_clock::now();
+  const bool timed = c->timed_now();
+  const auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   c->answer(op, stack);
   // (kernel_ns_ is the capture's, updated only on its step's thread)
-  c->add_kernel_ns(ns_since(t0) * kTimedEvery);
+  if (timed) c->add_kernel_ns(ns_since(t0) * kTimedEvery);
 }
 
 }  // namespace

@@ -163,6 +163,11 @@ class Live {
 
 Live g_live;
 
+// A placeholder was made (kept in the list while a step is captured) or dies.
+void made(PlaceholderImpl* impl) {
+  if (g_active.load(std::memory_order_relaxed) != nullptr) g_live.add(impl);
+}
+
 void gone(PlaceholderImpl* impl) {
   if (impl->live) g_live.remove(impl);
 }

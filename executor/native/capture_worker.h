@@ -154,22 +154,20 @@ class Worker {
   // The entry the next op is written into (cleared); publish() hands it to the worker. The
   // step's thread only; waits while the ring is full.
   TapeEntry& next_entry() {
-    if (pushed_ - done_.load(std::memory_order_acquire) >= kRing) wait_without_gil(pushed_ - kRing + 1);
-    TapeEntry& e = ring_[pushed_ & (kRing - 1)];
+    const int64_t next = published_.load(std::memory_order_relaxed);  // (this thread's own count)
+    if (next - done_.load(std::memory_order_acquire) >= kRing) wait_without_gil(next - kRing + 1);
+    TapeEntry& e = ring_[next & (kRing - 1)];
     e.clear();
     return e;
   }
 
   void publish() {
-    published_.store(++pushed_, std::memory_order_seq_cst);
-    if (idle_.load(std::memory_order_seq_cst)) {
-      { std::lock_guard<std::mutex> g(mu_); }
-      cv_.notify_all();
-    }
+    published_.fetch_add(1, std::memory_order_seq_cst);
+    wake_if(idle_);
   }
 
   // Wait until every op published so far has run (without the GIL, if this thread holds it).
-  void drain() { wait_without_gil(pushed_); }
+  void drain() { wait_without_gil(published_.load(std::memory_order_relaxed)); }
 
   // The first failure since clear_error(): (op index, message), or index -1.
   std::pair<int64_t, std::string> error() {
@@ -196,8 +194,7 @@ class Worker {
  private:
   int threads_;
   std::vector<TapeEntry> ring_;
-  int64_t pushed_ = 0;                       // entries written (the step's thread's own count)
-  std::atomic<int64_t> published_{0};        // entries the worker may run
+  std::atomic<int64_t> published_{0};        // entries the worker may run (written by the step's thread)
   std::atomic<int64_t> done_{0};             // entries run (and cleared) by the worker
   std::atomic<int64_t> busy_ns_{0};
   std::mutex mu_;  // for sleeping and waking, and the failure
@@ -228,16 +225,28 @@ class Worker {
     grave_.bury(held_);
   }
 
-  // Wait until the entry numbered `taken` is published: polled for, then slept for.
-  void await_published(int64_t taken) {
+  // Wait until `count` reaches `want`: polled for, then slept for, with `sleeping` set so that
+  // the side that moves `count` wakes this one (wake_if). The worker waits for published ops,
+  // a drain for done ones.
+  void await(const std::atomic<int64_t>& count, int64_t want, std::atomic<bool>& sleeping) {
     const auto until = std::chrono::steady_clock::now() + kSpin;
-    while (published_.load(std::memory_order_acquire) <= taken && std::chrono::steady_clock::now() < until)
+    while (count.load(std::memory_order_acquire) < want) {
+      if (std::chrono::steady_clock::now() > until) {
+        std::unique_lock<std::mutex> g(mu_);
+        sleeping.store(true, std::memory_order_seq_cst);
+        cv_.wait(g, [&count, want] { return count.load(std::memory_order_seq_cst) >= want; });
+        sleeping.store(false, std::memory_order_relaxed);
+        return;
+      }
       std::this_thread::yield();
-    if (published_.load(std::memory_order_acquire) > taken) return;
-    std::unique_lock<std::mutex> g(mu_);
-    idle_.store(true, std::memory_order_seq_cst);
-    cv_.wait(g, [this, taken] { return published_.load(std::memory_order_seq_cst) > taken; });
-    idle_.store(false, std::memory_order_relaxed);
+    }
+  }
+
+  // After moving a count: wake the other side if it sleeps on it.
+  void wake_if(const std::atomic<bool>& sleeping) {
+    if (!sleeping.load(std::memory_order_seq_cst)) return;
+    { std::lock_guard<std::mutex> g(mu_); }  // (it is either not yet waiting, or asleep)
+    cv_.notify_all();
   }
 
   void loop() {
@@ -247,7 +256,7 @@ class Worker {
     at::set_num_threads(threads_);
     at::AutoDispatchBelowADInplaceOrView below;  // the skeleton did the autograd side
     for (int64_t taken = 0;; ++taken) {
-      await_published(taken);
+      await(published_, taken + 1, idle_);
       TapeEntry& e = ring_[taken & (kRing - 1)];
       if (e.op == nullptr) return;
       if (!failed_.load(std::memory_order_acquire)) {
@@ -265,33 +274,17 @@ class Worker {
       bury(e);
       e.clear();  // (its tensors go before the op counts as done)
       done_.store(taken + 1, std::memory_order_seq_cst);
-      if (draining_.load(std::memory_order_seq_cst)) {
-        { std::lock_guard<std::mutex> g(mu_); }
-        cv_.notify_all();
-      }
+      wake_if(draining_);
     }
   }
 
+  // Wait until `want` ops are done, without the GIL if this thread holds it.
   void wait_without_gil(int64_t want) {
     if (PyGILState_Check()) {
       py::gil_scoped_release nogil;
-      wait_for(want);
+      await(done_, want, draining_);
     } else {
-      wait_for(want);
-    }
-  }
-
-  void wait_for(int64_t want) {
-    const auto until = std::chrono::steady_clock::now() + kSpin;
-    while (done_.load(std::memory_order_acquire) < want) {
-      if (std::chrono::steady_clock::now() > until) {
-        std::unique_lock<std::mutex> g(mu_);
-        draining_.store(true, std::memory_order_seq_cst);
-        cv_.wait(g, [this, want] { return done_.load(std::memory_order_seq_cst) >= want; });
-        draining_.store(false, std::memory_order_relaxed);
-        return;
-      }
-      std::this_thread::yield();
+      await(done_, want, draining_);
     }
   }
 };
