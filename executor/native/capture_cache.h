@@ -114,19 +114,28 @@ std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, Args args)
 }
 
 bool same_const(const c10::IValue& a, const c10::IValue& b) {
-  if (a.tagKind() != b.tagKind()) return false;
-  if (a.isNone()) return true;
-  if (a.isInt()) return a.toInt() == b.toInt();
-  if (a.isBool()) return a.toBool() == b.toBool();
+  // (IValue's tag is private and tagKind() makes a string: each kind is asked for in turn)
+  if (a.isNone() || b.isNone()) return a.isNone() && b.isNone();
+  if (a.isInt()) return b.isInt() && a.toInt() == b.toInt();
+  if (a.isBool()) return b.isBool() && a.toBool() == b.toBool();
   if (a.isDouble()) {
+    if (!b.isDouble()) return false;
     double x = a.toDouble(), y = b.toDouble();
     return std::memcmp(&x, &y, sizeof x) == 0;  // (-0.0 is not 0.0 here)
   }
-  if (a.isIntList()) return a.toIntVector() == b.toIntVector();
-  if (a.isGenerator()) return true;  // (which generator makes values, not shapes)
-  if (a.isString()) return a.toStringRef() == b.toStringRef();
-  if (a.isDevice()) return a.toDevice() == b.toDevice();
-  std::ostringstream x, y;  // strings, devices, dtypes, scalars, other lists: as printed
+  if (a.isList()) {  // (int[], SymInt[] of ints, float[], bool[]: compared in place, not printed)
+    if (!b.isList()) return false;
+    const auto x = a.toListRef(), y = b.toListRef();
+    if (x.size() != y.size()) return false;
+    for (size_t i = 0; i < x.size(); ++i)
+      if (!same_const(x[i], y[i])) return false;
+    return true;
+  }
+  if (a.isGenerator()) return b.isGenerator();  // (which generator makes values, not shapes)
+  if (a.isString()) return b.isString() && a.toStringRef() == b.toStringRef();
+  if (a.isDevice()) return b.isDevice() && a.toDevice() == b.toDevice();
+  if (a.tagKind() != b.tagKind()) return false;
+  std::ostringstream x, y;  // scalars, symbolic ints, the rest: as printed
   x << a;
   y << b;
   return x.str() == y.str();

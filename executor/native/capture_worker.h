@@ -138,7 +138,12 @@ std::string failure(const std::exception& e) {
 // neither sleeps at once when there is nothing to do: the worker polls for a while before it
 // waits (a wake-up per op cost a system call on both sides), and so does a drain. A full ring
 // makes the writer wait for the worker (it is far ahead then).
-constexpr auto kSpin = std::chrono::microseconds(200);
+// The worker polls for kSpin after its last op: long enough to span the Python between two
+// steps of a loop (a batch drawn, a loss logged; 200 us did not span an eager step of a
+// third of a millisecond, and each step paid for waking the worker). Then it naps, then sleeps.
+constexpr auto kSpin = std::chrono::microseconds(1000);
+constexpr auto kNap = std::chrono::microseconds(50);  // (the timer's slack makes it ~100 us)
+constexpr auto kNapping = std::chrono::milliseconds(100);
 constexpr int64_t kRing = 8192;  // entries (a power of two)
 
 class Worker {
@@ -155,7 +160,13 @@ class Worker {
   // step's thread only; waits while the ring is full.
   TapeEntry& next_entry() {
     const int64_t next = published_.load(std::memory_order_relaxed);  // (this thread's own count)
-    if (next - done_.load(std::memory_order_acquire) >= kRing) wait_without_gil(next - kRing + 1);
+    if (next - done_seen_ >= kRing) {  // (done_ read only when the ring looks full)
+      done_seen_ = done_.load(std::memory_order_acquire);
+      if (next - done_seen_ >= kRing) {
+        wait_without_gil(next - kRing + 1);
+        done_seen_ = done_.load(std::memory_order_acquire);
+      }
+    }
     TapeEntry& e = ring_[next & (kRing - 1)];
     e.clear();
     return e;
@@ -194,12 +205,16 @@ class Worker {
  private:
   int threads_;
   std::vector<TapeEntry> ring_;
-  std::atomic<int64_t> published_{0};        // entries the worker may run (written by the step's thread)
-  std::atomic<int64_t> done_{0};             // entries run (and cleared) by the worker
+  // (each side's counts on a cache line of their own: sharing one, every op of either side
+  // took the line from the other core)
+  alignas(64) std::atomic<int64_t> published_{0};  // entries the worker may run (written by the step's thread)
+  int64_t done_seen_ = 0;                          // done_ as the step's thread last read it
+  alignas(64) std::atomic<int64_t> done_{0};       // entries run (and cleared) by the worker
   std::atomic<int64_t> busy_ns_{0};
-  std::mutex mu_;  // for sleeping and waking, and the failure
+  alignas(64) std::mutex mu_;  // for sleeping and waking, and the failure
   std::condition_variable cv_;
   std::atomic<bool> idle_{false};      // the worker sleeps: a publish must wake it
+  std::atomic<bool> napping_{false};   // the worker naps: a drain wakes it
   std::atomic<bool> draining_{false};  // a drain sleeps: the op that ends it must say so
   std::atomic<bool> failed_{false};    // ops after a failure are dropped until clear_error()
   int64_t failed_at_ = -1;
@@ -225,20 +240,34 @@ class Worker {
     grave_.bury(held_);
   }
 
-  // Wait until `count` reaches `want`: polled for, then slept for, with `sleeping` set so that
-  // the side that moves `count` wakes this one (wake_if). The worker waits for published ops,
-  // a drain for done ones.
-  void await(const std::atomic<int64_t>& count, int64_t want, std::atomic<bool>& sleeping) {
-    const auto until = std::chrono::steady_clock::now() + kSpin;
+  // Wait until `count` reaches `want`: polled for, then (the worker only) napped for in
+  // turns of kNap for up to kNapping, then slept for; `sleeping` is set while asleep so that
+  // the side that moves `count` wakes this one (wake_if), and `napping` while napping, when
+  // only a drain wakes it. The worker waits for published ops, a drain for done ones.
+  // (Woken by the step's first op, the worker cost the step ~25 us: a woken thread takes the
+  // waker's core first; and a read early in the step waited for its wake-up. Napping, it
+  // wakes by itself and catches up while the skeleton goes on, and a read wakes it.)
+  void await(const std::atomic<int64_t>& count, int64_t want, std::atomic<bool>& sleeping,
+             std::atomic<bool>* napping) {
+    const auto ready = [&count, want] { return count.load(std::memory_order_seq_cst) >= want; };
+    const auto start = std::chrono::steady_clock::now();
     while (count.load(std::memory_order_acquire) < want) {
-      if (std::chrono::steady_clock::now() > until) {
-        std::unique_lock<std::mutex> g(mu_);
+      const auto waited = std::chrono::steady_clock::now() - start;
+      std::unique_lock<std::mutex> g(mu_, std::defer_lock);
+      if (waited <= kSpin) {
+        std::this_thread::yield();
+      } else if (napping != nullptr && waited <= kNapping) {
+        g.lock();
+        napping->store(true, std::memory_order_seq_cst);
+        cv_.wait_for(g, kNap, ready);
+        napping->store(false, std::memory_order_relaxed);
+      } else {
+        g.lock();
         sleeping.store(true, std::memory_order_seq_cst);
-        cv_.wait(g, [&count, want] { return count.load(std::memory_order_seq_cst) >= want; });
+        cv_.wait(g, ready);
         sleeping.store(false, std::memory_order_relaxed);
         return;
       }
-      std::this_thread::yield();
     }
   }
 
@@ -256,7 +285,7 @@ class Worker {
     at::set_num_threads(threads_);
     at::AutoDispatchBelowADInplaceOrView below;  // the skeleton did the autograd side
     for (int64_t taken = 0;; ++taken) {
-      await(published_, taken + 1, idle_);
+      await(published_, taken + 1, idle_, &napping_);
       TapeEntry& e = ring_[taken & (kRing - 1)];
       if (e.op == nullptr) return;
       if (!failed_.load(std::memory_order_acquire)) {
@@ -280,11 +309,13 @@ class Worker {
 
   // Wait until `want` ops are done, without the GIL if this thread holds it.
   void wait_without_gil(int64_t want) {
+    if (done_.load(std::memory_order_acquire) >= want) return;
+    wake_if(napping_);  // (a napping worker would make this wait out its nap)
     if (PyGILState_Check()) {
       py::gil_scoped_release nogil;
-      await(done_, want, draining_);
+      await(done_, want, draining_, nullptr);
     } else {
-      await(done_, want, draining_);
+      await(done_, want, draining_, nullptr);
     }
   }
 };

@@ -202,6 +202,29 @@ def test_sizes_that_come_back_are_answered_from_the_cache() -> None:
     assert set(misses[2:]) == {misses[2]}
 
 
+def test_arguments_that_are_not_tensors_tell_cached_ops_apart() -> None:
+    """At one line and with the same input, a view's shape, a reduction's dims (a list, or None)
+    and a dtype make other ops; each is a miss once, then answered from the cache, right."""
+    x = torch.arange(24.0)
+    capture = Capture()
+    cases = [
+        ((2, 12), [0], torch.float64),
+        ((12, 2), [1], torch.float32),
+        ((4, 6), None, torch.float64),
+    ]
+    cases += [((2, 12), [1], torch.float64), ((2, 12), [0], torch.float32)]
+    misses = []
+    for shape, dims, dtype in cases * 3:
+        with capture.step():
+            y = x.view(shape).sum(dim=dims, dtype=dtype)
+        assert y.dtype == dtype
+        assert torch.equal(y, x.view(shape).sum(dim=dims, dtype=dtype))
+        misses.append(capture.counters.misses)
+    first = len(cases)
+    assert all(a < b for a, b in itertools.pairwise(misses[:first]))
+    assert set(misses[first - 1 :]) == {misses[first - 1]}
+
+
 def test_item_runs_at_once_and_only_it() -> None:
     torch.manual_seed(0)
     state, capture = Branchy(), Capture()
