@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -359,6 +360,22 @@ def test_a_failure_on_the_worker_has_a_traceback_to_the_users_line() -> None:
         and lib.name == "embedding"
     )
     assert lib.line.startswith("return torch.embedding(")
+
+
+def test_steps_after_the_worker_napped_or_slept() -> None:
+    """Between steps the worker polls, then naps (a read wakes it), then sleeps (an op wakes
+    it): steps that read values early (``.item()`` per block) after each pause are eager's."""
+    torch.manual_seed(0)
+    eager = Branchy()
+    torch.manual_seed(0)
+    captured, capture = Branchy(), Capture()
+    for i, pause in enumerate((0.0, 0.0, 0.0005, 0.005, 0.02, 0.15, 0.005, 0.15)):
+        time.sleep(pause)  # (after 1 ms the worker naps; after 100 ms more it sleeps)
+        with capture.step():
+            got = captured.step(i)
+        assert torch.equal(got, eager.step(i))
+    pairs = zip(tensors_of(captured), tensors_of(eager), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 def test_a_step_with_more_ops_than_the_ring_holds() -> None:
