@@ -502,7 +502,6 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   entry.op = &op;
   entry.grad_mode = c10::GradMode::is_enabled();
   entry.index = index;
-  for (const auto& a : args) entry.add_arg(a);
   for (size_t r = 0; r < nret; ++r) {
     const int w = cached->written[r];
     const OutMeta& m = cached->outputs[r];
@@ -516,14 +515,16 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         l.push_back(make_ph(t));
         entry.out_slots.push_back(slot_of(l.back()));
       }
-      out = l;
+      out = std::move(l);
     } else {
       at::Tensor t = make_ph(m.tensors[0]);
       entry.out_slots.push_back(slot_of(t));
-      out = t;
+      out = std::move(t);
     }
     stack->push_back(std::move(out));
   }
+  // (moved, after the outputs took the written ones: a copy and a destroy an argument less)
+  for (c10::IValue& a : args) entry.add_arg(std::move(a));
   if (worker_) {
     entry.trash.swap(trash_);  // (capacity goes back and forth: no allocation)
     worker_->publish();

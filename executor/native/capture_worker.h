@@ -67,11 +67,11 @@ struct TapeEntry {
   }
 
   // Append argument `iv`.
-  void add_arg(const c10::IValue& iv) {
+  void add_arg(c10::IValue&& iv) {
     const auto begin = static_cast<uint32_t>(slots.size());
     arg_slots.push_back(begin);
     if (!has_tensor(iv)) {
-      args.push_back(iv);
+      args.push_back(std::move(iv));
       return;
     }
     bool any = false;
@@ -81,7 +81,7 @@ struct TapeEntry {
     });
     if (!any) {
       slots.resize(begin);
-      args.push_back(iv);
+      args.push_back(std::move(iv));
       return;
     }
     args.push_back(map_tensors(iv, [](const at::Tensor& t) { return is_ph(t) ? at::Tensor() : t; }));
