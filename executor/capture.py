@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import linecache
 import os
 import threading
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from executor import native
+from executor.tracebacks import traceback_through
 
 Mode = Literal["async", "replay", "tape"]
 
@@ -142,37 +142,9 @@ def _worker_traceback(c, error: RuntimeError) -> TracebackType | None:
     if not str(error).startswith(_FAILED_ON_THE_WORKER):
         return None
     try:
-        return _traceback_at(c.failure_frames)
+        return traceback_through(c.failure_frames)
     except Exception:  # noqa: BLE001
         return None
-
-
-def _traceback_at(frames: list[tuple[str, int, str]]) -> TracebackType | None:
-    """A traceback through ``frames`` (file, line, function; outermost first): an op that failed
-    on the worker is raised at the step's end, and its traceback goes on to the user's line and
-    the library's where the op was made, as if it had failed there (shown with their source)."""
-    tb = None
-    for file, line, name in reversed(frames):
-        # (a frame at that line of that file; its raise spans the line's text, so Python
-        # underlines none of it)
-        text = linecache.getline(file, line)
-        indent = len(text) - len(text.lstrip())
-        error = "_" * max(1, len(text.strip()) - len("raise "))
-        source = f"{' ' * indent}raise {error}"
-        lines = (
-            "\n" * (line - 1) + source if indent == 0 else "\n" * (line - 2) + "if 1:\n" + source
-        )
-        code = compile(lines, file, "exec").replace(co_name=name)
-        try:
-            exec(code, {error: _Marker()})  # noqa: S102 (our own one-line raise)
-        except _Marker as marker:
-            at = marker.__traceback__.tb_next
-        tb = TracebackType(tb, at.tb_frame, at.tb_lasti, at.tb_lineno)
-    return tb
-
-
-class _Marker(Exception):
-    """Raised only to make a frame at a given place (_traceback_at)."""
 
 
 @functools.cache
