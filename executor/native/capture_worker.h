@@ -16,6 +16,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -161,11 +162,8 @@ class Worker {
   TapeEntry& next_entry() {
     const int64_t next = published_.load(std::memory_order_relaxed);  // (this thread's own count)
     if (next - done_seen_ >= kRing) {  // (done_ read only when the ring looks full)
+      wait_without_gil(next - kRing + 1);
       done_seen_ = done_.load(std::memory_order_acquire);
-      if (next - done_seen_ >= kRing) {
-        wait_without_gil(next - kRing + 1);
-        done_seen_ = done_.load(std::memory_order_acquire);
-      }
     }
     TapeEntry& e = ring_[next & (kRing - 1)];
     e.clear();
@@ -253,21 +251,20 @@ class Worker {
     const auto start = std::chrono::steady_clock::now();
     while (count.load(std::memory_order_acquire) < want) {
       const auto waited = std::chrono::steady_clock::now() - start;
-      std::unique_lock<std::mutex> g(mu_, std::defer_lock);
       if (waited <= kSpin) {
         std::this_thread::yield();
-      } else if (napping != nullptr && waited <= kNapping) {
-        g.lock();
-        napping->store(true, std::memory_order_seq_cst);
-        cv_.wait_for(g, kNap, ready);
-        napping->store(false, std::memory_order_relaxed);
-      } else {
-        g.lock();
-        sleeping.store(true, std::memory_order_seq_cst);
-        cv_.wait(g, ready);
-        sleeping.store(false, std::memory_order_relaxed);
-        return;
+        continue;
       }
+      const bool nap = napping != nullptr && waited <= kNapping;
+      std::atomic<bool>& flag = nap ? *napping : sleeping;
+      std::unique_lock<std::mutex> g(mu_);
+      flag.store(true, std::memory_order_seq_cst);
+      if (nap) {
+        cv_.wait_for(g, kNap, ready);
+      } else {
+        cv_.wait(g, ready);
+      }
+      flag.store(false, std::memory_order_relaxed);
     }
   }
 
@@ -311,12 +308,9 @@ class Worker {
   void wait_without_gil(int64_t want) {
     if (done_.load(std::memory_order_acquire) >= want) return;
     wake_if(napping_);  // (a napping worker would make this wait out its nap)
-    if (PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      await(done_, want, draining_, nullptr);
-    } else {
-      await(done_, want, draining_, nullptr);
-    }
+    std::optional<py::gil_scoped_release> nogil;
+    if (PyGILState_Check()) nogil.emplace();
+    await(done_, want, draining_, nullptr);
   }
 };
 
