@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import markdown_table
+from common import markdown_table, measure_each
 
 _CHILD = r"""
 import json, sys
@@ -70,24 +70,26 @@ def run(name: str, batch: int, steps: int, mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def compare(name: str, batch: int, steps: int) -> dict:
+    """A model's row: its peak eager and native, each in a process of its own."""
+    eager = run(name, batch, steps, "eager")
+    native = run(name, batch, steps, "native")
+    return {
+        "model": name,
+        "eager peak MB": f"{eager['peak'] / 2**20:.1f}",
+        "native peak MB": f"{native['peak'] / 2**20:.1f}",
+        "native/eager": f"{native['peak'] / max(eager['peak'], 1):.2f}",
+        "same loss": eager["loss"] == native["loss"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,resnet18,gpt2-6l,lstm-lm")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    rows = []
-    for name in args.models.split(","):
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        eager = run(name, args.batch, args.steps, "eager")
-        native = run(name, args.batch, args.steps, "native")
-        rows.append({
-            "model": name,
-            "eager peak MB": f"{eager['peak'] / 2**20:.1f}",
-            "native peak MB": f"{native['peak'] / 2**20:.1f}",
-            "native/eager": f"{native['peak'] / max(eager['peak'], 1):.2f}",
-            "same loss": eager["loss"] == native["loss"],
-        })  # fmt: skip
+    rows = measure_each(args.models, lambda name: compare(name, args.batch, args.steps))
     print(
         f"torch {__import__('torch').__version__}, batch {args.batch}, {args.steps} measured "
         "steps after 3, the most tensor bytes live at once above those live before them"

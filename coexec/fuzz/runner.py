@@ -128,7 +128,7 @@ def run_once(
     state = build(spec)
     tape = None
     if use_coexec:
-        options = {}  # (the native backend has no traces, arena or sync="none")
+        options = {}
         if backend != "native":
             options = {
                 "max_traces": 2 if "max_traces_2" in spec.extra else 10,
