@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ import torch.utils._python_dispatch
 
 import tracegraph
 from executor import Free
+from executor.engine_watch import WATCHES_ALL_THREADS, PythonWatch
 from tracegraph.schema import TensorMeta, schema_of
 from tracegraph.trace import OpKey, OpRecord
 
@@ -45,8 +45,6 @@ from .placeholder import Placeholder
 if TYPE_CHECKING:
     from .skeleton import Session, Skeleton
 
-# Whether PythonWatch sees the engine's device threads (a CUDA backward runs in one).
-WATCHES_ALL_THREADS = hasattr(threading, "setprofile_all_threads")
 # Devices whose backwards may run as blocks: CUDA only where the watch sees its engine thread.
 # bench/cuda_gradient_blocks.py checks them bit-equal to eager on a GPU (docs/coexec.md).
 BLOCK_DEVICES = frozenset({"cpu", "cuda"} if WATCHES_ALL_THREADS else {"cpu"})
@@ -256,56 +254,6 @@ _OWN_FILES = tuple(
     os.path.join(os.path.dirname(m.__file__), "") if m.__file__.endswith("__init__.py") else m.__file__
     for m in (sys.modules[__package__], tracegraph, torch._compile, torch._library, torch.utils._python_dispatch, weakref)
 )
-_ENGINE_CODE = torch.autograd.graph._engine_run_backward.__code__
-
-
-class PythonWatch:
-    """Sees whether the autograd engine called any Python that is not coexec's own (hooks,
-    Python backward functions, checkpoint's recomputation) while active.
-
-    The engine runs a CPU backward in the calling thread and a CUDA one in a device thread of
-    its own, where the Python it calls is a frame with no caller. Python 3.12 can profile every
-    thread (``threading.setprofile_all_threads``); before it only the calling thread is watched,
-    so only CPU backwards become blocks there (:data:`BLOCK_DEVICES`)."""
-
-    def __init__(self) -> None:
-        self.seen: str | None = None
-        self._old: Any = None
-        self._old_new_threads: Any = None
-        self._inside = False
-        self._thread = threading.get_ident()
-
-    def __enter__(self) -> PythonWatch:
-        self._old = sys.getprofile()
-        if WATCHES_ALL_THREADS:
-            self._old_new_threads = threading.getprofile()
-            threading.setprofile_all_threads(self._event)
-        else:
-            sys.setprofile(self._event)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if WATCHES_ALL_THREADS:  # other threads' own profilers, if any, are not restored
-            threading.setprofile_all_threads(None)
-            threading.setprofile(self._old_new_threads)
-        sys.setprofile(self._old)
-
-    def _event(self, frame: Any, event: str, arg: Any) -> None:
-        if threading.get_ident() == self._thread:
-            # Python called while the engine (a C call from _engine_run_backward) runs
-            if frame.f_code is _ENGINE_CODE and event[0] == "c" and getattr(arg, "__name__", "") == "run_backward":
-                self._inside = event == "c_call"
-            elif event == "call" and self._inside and self.seen is None:
-                back = frame.f_back
-                if back is not None and back.f_code is _ENGINE_CODE:
-                    self._see(frame)
-        elif event == "call" and self._inside and self.seen is None and frame.f_back is None:
-            self._see(frame)  # called from C in another thread while the engine runs
-
-    def _see(self, frame: Any) -> None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_OWN_FILES):
-            self.seen = f"{frame.f_code.co_name} ({name}:{frame.f_code.co_firstlineno})"
 
 
 # torch-level calls after which a step's backward runs Python the graph does not show
@@ -463,7 +411,7 @@ class Backwards:
         watchers = [watch_holder(i, self.saved.holders[i]()) for i in held]
         self.capturing, self._log = True, {}
         try:
-            with PythonWatch() as watch:
+            with PythonWatch(_OWN_FILES) as watch:
                 out = sk.call(func, args, kwargs, loc)
         finally:
             self.capturing = False

@@ -77,7 +77,7 @@ class TapeStats:
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
     native_ops: int = 0  # of the latest co-executed step: ops the native engine ran, without the GIL
     # of the latest co-executed step: its backward() calls issued as known gradient blocks,
-    # without the autograd engine (coexec/gradients.py)
+    # without the autograd engine (coexec/gradients.py; native: native/capture_blocks.h)
     gradient_blocks: int = 0
     # of the latest co-executed step: its torch-level calls issued from call templates,
     # without going through the dispatcher (coexec/calls.py)
@@ -685,6 +685,7 @@ class _NativeStep:
         s.native_ops = s.last_ops - (c.run_now - c0.run_now)
         s.stall_seconds += c.wait_seconds - c0.wait_seconds
         s.executor_seconds += c.worker_seconds - c0.worker_seconds
+        s.gradient_blocks = c.gradient_blocks - c0.gradient_blocks
         misses = c.misses - c0.misses
         if self.debug and misses:
             _log(

@@ -40,6 +40,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from executor import native
+from executor.engine_watch import PythonWatch
 from executor.tracebacks import traceback_through
 
 Mode = Literal["async", "replay", "tape"]
@@ -50,6 +51,7 @@ _DATA_ACCESS = (
     "__dlpack__", "__repr__", "__format__",
 )  # fmt: skip
 _RANDOM = ("manual_seed", "seed", "get_rng_state", "set_rng_state")
+_REPLAYED, _ENGINE, _RECORD = 0, 1, 2  # (Capture::backward_begin)
 
 
 class CaptureCounters(NamedTuple):
@@ -62,6 +64,7 @@ class CaptureCounters(NamedTuple):
     taped: int  # ops on the tape ("replay" mode: not replayed yet)
     wait_seconds: float  # the step's thread waiting for the worker (reads, ops run at once, ends)
     worker_seconds: float  # the worker running ops
+    gradient_blocks: int  # ``backward()`` calls a gradient block answered (no autograd engine)
 
 
 class Capture:
@@ -93,10 +96,16 @@ class Capture:
 
     @property
     def counters(self) -> CaptureCounters:
-        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns = self._c.counters
+        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks = self._c.counters
         return CaptureCounters(
-            ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9
+            ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9, blocks
         )
+
+    @property
+    def backward_why(self) -> str:
+        """Why the latest ``backward()`` in a step ran the autograd engine ("" if a gradient
+        block answered it)."""
+        return self._c.backward_why
 
     def close(self) -> None:
         """Stop the worker thread now (it also stops when the capture is collected)."""
@@ -190,6 +199,8 @@ class _Waiting:
             for name in _RANDOM:
                 original = getattr(owner, name)
                 self.swaps.append((owner, name, original, self._wrap(original, False)))
+        original = torch.autograd.backward
+        self.swaps.append((torch.autograd, "backward", original, self._backward(original)))
 
     def _wrap(self, original: Callable, realize_first: bool) -> Callable:
         @functools.wraps(original)
@@ -210,6 +221,43 @@ class _Waiting:
                 c.resume()
 
         return waiting
+
+    def _backward(self, original: Callable) -> Callable:
+        """``torch.autograd.backward`` (which ``Tensor.backward`` calls) in a captured step: a plain
+        ``loss.backward()`` is answered by a gradient block where the capture has one for the
+        step's path (``native/capture_blocks.h``), else runs the engine (and, the first time at a
+        path, makes the block from the ops it issues, watched for Python inside the engine)."""
+
+        @functools.wraps(original)
+        def backward(
+            tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None,
+            inputs=None,
+        ):  # fmt: skip
+            plain = (
+                grad_tensors is None and grad_variables is None and inputs is None
+                and not retain_graph and not create_graph and isinstance(tensors, torch.Tensor)
+                and self.stepping_here() and not torch._C._are_functorch_transforms_active()
+            )  # fmt: skip
+            if not plain:
+                return original(
+                    tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs
+                )
+            c = self.capture
+            how = c.backward_begin(tensors)
+            if how == _REPLAYED:
+                return None
+            if how == _ENGINE:
+                return original(tensors)
+            ok, watch = False, PythonWatch()
+            try:
+                with watch:
+                    original(tensors)
+                ok = True
+            finally:
+                c.backward_end(ok, watch.seen or "")
+            return None
+
+        return backward
 
     def put(self, c) -> None:
         """The wrappers in place for a step of ``c`` in this thread."""

@@ -28,7 +28,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/SavedTensorHooks.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <c10/util/intrusive_ptr.h>
 #include <Python.h>
 #include <frameobject.h>
@@ -60,6 +63,7 @@
 #include <utility>
 #include <vector>
 
+#include "capture_blocks.h"
 #include "capture_cache.h"
 #include "capture_placeholders.h"
 #include "capture_worker.h"
@@ -109,6 +113,13 @@ constexpr size_t kVariants = 16;  // cached variants per op and location
 constexpr size_t kMaxLocations = 1 << 16;  // locations counted before the count starts afresh
 constexpr int64_t kBuriedBeforeExhume = 256;  // see locate
 constexpr int64_t kTimedEvery = 8;  // the kernel's time is sampled (a clock read costs ~25 ns)
+// gradient blocks (capture_blocks.h): made at most per backward() line; the largest tensor a
+// formula made outside the dispatcher that a block keeps a copy of
+constexpr int kBlocksPerSite = 16;
+constexpr int64_t kConstElements = 4096;
+
+// What backward_begin() tells the caller to do.
+enum Backward : int { kReplayed = 0, kEngine = 1, kRecord = 2 };
 
 class Capture {
  public:
@@ -146,6 +157,12 @@ class Capture {
                 "coexec: a step is already being captured (one at a time, in one thread)");
     ++steps_;
     failure_frames_.clear();
+    path_.clear();
+    path_hash_ = 0;
+    first_value_ = next_value_;
+    saved_hooks_ = false;
+    missed_ = false;
+    recording_ = false;
     if (seen_.size() > kMaxLocations) seen_.clear();
     auto tls = c10::impl::tls_local_dispatch_key_set();
     included_before_ = tls.included_;
@@ -202,11 +219,25 @@ class Capture {
 
   // ops seen, misses (answered by running them, or by meta kernels where nothing is computed),
   // ops run at once, nanoseconds in the kernel, ops the tape holds, nanoseconds waiting for the
-  // worker, nanoseconds the worker ran ops
+  // worker, nanoseconds the worker ran ops, backward() calls answered by a gradient block
   py::tuple counters() const {
     return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
-                          worker_ ? worker_->busy_ns() : int64_t(0));
+                          worker_ ? worker_->busy_ns() : int64_t(0), replayed_);
   }
+
+  // -- gradient blocks (capture_blocks.h) --
+
+  // A plain ``loss.backward()`` in the step: kReplayed (a block did it), kEngine (run the
+  // engine; backward_why says why), or kRecord (run the engine, then call backward_end: its ops
+  // become a block).
+  int backward_begin(const at::Tensor& loss);
+
+  // The engine ran for a kRecord (ok: without an error; `python`: Python it saw run inside the
+  // engine, if any).
+  void backward_end(bool ok, const std::string& python);
+
+  // Why the latest backward() ran the engine ("" if a block answered it).
+  const std::string& backward_why() const { return backward_why_; }
 
   bool stepping() const { return g_active.load() == this; }
 
@@ -262,6 +293,81 @@ class Capture {
   std::vector<std::string> internal_;  // the directories whose code is not the user's
   int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
   uint64_t sample_ = 0x9E3779B97F4A7C15ull;  // (timed_now)
+  uint64_t next_entry_id_ = 1;
+
+  // -- gradient blocks (capture_blocks.h) --
+  // The step's path: per op, its cache entry, where its tensors came from, and its numbers
+  // where autograd may save them; a block made after a path is replayed after the same path.
+  std::vector<uint64_t> path_;
+  uint64_t path_hash_ = 0;
+  // the step's placeholders by number (their slots, not held: a value lives as long as eager's)
+  uint64_t next_value_ = 1, first_value_ = 1;
+  std::vector<std::weak_ptr<Slot>> values_;
+  // the step's real tensors (parameters, a batch) by number, in the order first met (weak:
+  // held, their addresses are not reused within the step)
+  std::unordered_map<const c10::TensorImpl*, uint32_t> outer_ids_;
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> outers_;
+  bool saved_hooks_ = false;  // saved-tensor hooks were active at an op of the step
+  bool missed_ = false;       // an op of the step was new at its line (its path is new)
+  std::unordered_map<uint64_t, std::vector<Block>> blocks_;  // by the hash of their path
+  std::vector<Block> no_blocks_;
+  std::unordered_map<Where, int, WhereHash> made_at_;        // blocks made per backward() line
+  uint64_t next_block_ = 1;
+  int64_t replayed_ = 0;
+  std::string backward_why_;
+  struct Recording {
+    Block block;
+    size_t path_len = 0;
+    uint64_t path_hash = 0;
+    uint32_t first_outer = 0;
+    std::vector<at::Tensor> leaves, grads_before;
+    std::string why_not;  // the first reason found why no block can be made
+    bool again = false;   // the reason will not hold next time: no block is kept (nor counted)
+    std::unordered_map<uint32_t, uint32_t> fresh_of;  // real tensors' numbers -> Block::fresh
+    Where site{nullptr, -1};
+  } rec_;
+
+  // No block from this recording: the first reason found is kept.
+  bool refuse(const char* why) {
+    if (!rec_.why_not.empty()) return false;
+    rec_.why_not = why;
+    return true;
+  }
+  bool recording_ = false;
+
+  // `d` ends the path's next op.
+  void extend_path(uint64_t d) {
+    path_.push_back(d);
+    path_hash_ = mix(path_hash_, d);
+  }
+
+  // The number of a real tensor of the step (given at first sight).
+  uint32_t outer(const at::Tensor& t) {
+    auto [it, fresh] = outer_ids_.try_emplace(t.unsafeGetTensorImpl(), static_cast<uint32_t>(outers_.size()));
+    if (fresh) outers_.emplace_back(t.getIntrusivePtr());
+    return it->second;
+  }
+
+  // Where a tensor argument comes from, for the path.
+  uint64_t wiring(const at::Tensor& t) {
+    if (!t.defined()) return 1;
+    if (!is_ph(t)) return static_cast<uint64_t>(outer(t)) << 2;
+    const Slot* s = impl_of(t)->slot.get();
+    return s != nullptr && s->id >= first_value_ ? ((s->id - first_value_) << 2) | 2 : 3;
+  }
+
+  // A new placeholder of the step gets its number.
+  void number(const at::Tensor& t) {
+    if (!t.defined()) return;
+    const auto& slot = impl_of(t)->slot;
+    slot->id = next_value_++;
+    values_.emplace_back(slot);
+  }
+
+  Ref ref_of(const at::Tensor& t, Block& b, bool written);
+  void record(const c10::OperatorHandle& op, const Entry& e, Args args, bool grad_mode);
+  std::string issue_block(Block& b, const GraphWalk& w, const Place& site);
+  Place here();
 
   // Wait for the worker, counting the time.
   void drain() {
@@ -280,6 +386,10 @@ class Capture {
   void end_quietly() {
     set_included(included_before_);
     paused_ = 0;
+    recording_ = false;
+    values_.clear();
+    outer_ids_.clear();
+    outers_.clear();
     g_active.store(nullptr);
     t_trash = nullptr;
     drain();
@@ -369,6 +479,22 @@ class Capture {
         break;
 #else
     gil.emplace();
+    walk_with_gil(place, gil);
+#endif
+    if (worker_ && (gil || worker_->buried() > kBuriedBeforeExhume)) {
+      if (!gil) gil.emplace();
+      worker_->exhume();
+    }
+    if (place.code != nullptr) k.where = Where{place.code, place.lasti};
+    places_.push_back(place);
+    auto& seen = seen_[k.where];
+    if (seen.second != steps_) seen = {0, steps_};
+    k.nth = seen.first++;
+    return k;
+  }
+
+  // locate's walk with the GIL held: through frame objects.
+  void walk_with_gil(Place& place, std::optional<py::gil_scoped_acquire>& gil) {
     PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
     Py_XINCREF(f);
     for (int depth = 0; f != nullptr && depth < kUserDepth; ++depth) {
@@ -381,17 +507,6 @@ class Capture {
       f = back;
     }
     Py_XDECREF(f);
-#endif
-    if (worker_ && (gil || worker_->buried() > kBuriedBeforeExhume)) {
-      if (!gil) gil.emplace();
-      worker_->exhume();
-    }
-    if (place.code != nullptr) k.where = Where{place.code, place.lasti};
-    places_.push_back(place);
-    auto& seen = seen_[k.where];
-    if (seen.second != steps_) seen = {0, steps_};
-    k.nth = seen.first++;
-    return k;
   }
 
   // One frame of locate's walk outwards: the first is the op's own place; true at the user's
@@ -416,9 +531,11 @@ class Capture {
     e.outputs = out_metas(stack, schema.returns().size());
     for (size_t r = 0; r < schema.returns().size(); ++r) e.written.push_back(written_arg(schema, r));
     e.run_now = must_run_now(op);
+    e.id = next_entry_id_++;
     auto& variants = cache_[key];
     for (auto it = variants.begin(); it != variants.end(); ++it)
       if (it->inputs == e.inputs && matches(*it, schema, args)) {
+        if (it->outputs == e.outputs) e.id = it->id;  // (``.item()``, run again: the same)
         variants.erase(it);  // (the same arguments made other outputs: a data-dependent op)
         break;
       }
@@ -466,6 +583,291 @@ void Capture::run_now(const c10::OperatorHandle& op, const Key& key, Args args,
   fill(op, key, args, *stack);
 }
 
+// -- gradient blocks (capture_blocks.h) --------------------------------------------------------
+
+Capture::Place Capture::here() {  // (GIL held: called from Python)
+  Place place{nullptr, -1, nullptr, -1};
+  std::optional<py::gil_scoped_acquire> gil;
+  walk_with_gil(place, gil);
+  return place;
+}
+
+int Capture::backward_begin(const at::Tensor& loss) {
+  auto engine = [this](std::string why) {
+    backward_why_ = std::move(why);
+    return static_cast<int>(kEngine);
+  };
+  if (!worker_ || !stepping() || paused_ > 0) return engine("not in a captured step that computes as it goes");
+  if (recording_) return engine("a backward inside a backward");
+  if (saved_hooks_) return engine("saved-tensor hooks were active in the step (checkpointing, offloading)");
+  if (torch::autograd::AnomalyMode::is_enabled()) return engine("anomaly detection is on");
+  if (!loss.defined() || !loss.grad_fn()) return engine("the loss has no gradient function");
+  GraphWalk w = walk_graph(loss.grad_fn().get());
+  if (!w.why_not.empty()) return engine(w.why_not);
+  for (const at::Tensor& leaf : w.leaves)
+    if (leaf.grad().defined() && leaf.grad().layout() != c10::kStrided)
+      return engine("a leaf's .grad is not a strided tensor");
+  const Place site = here();
+  const auto bucket = blocks_.find(path_hash_);
+  for (Block& b : bucket != blocks_.end() ? bucket->second : no_blocks_) {
+    if (b.graph != w.digest || b.path != path_) continue;
+    if (!b.why_not.empty()) return engine(b.why_not);
+    std::string why = issue_block(b, w, site);
+    if (!why.empty()) return engine(why);
+    backward_why_.clear();
+    return kReplayed;
+  }
+  if (missed_) return engine("ops new at their line ran in this step before it");
+  int& made = made_at_[Where{site.user, site.user_lasti}];
+  if (made >= kBlocksPerSite)
+    return engine("no block for the ops before it, after " + std::to_string(kBlocksPerSite) + " made at this line");
+  ++made;
+  rec_ = Recording{};
+  rec_.site = Where{site.user, site.user_lasti};
+  rec_.block.path = path_;
+  rec_.block.graph = w.digest;
+  rec_.block.first_value = static_cast<uint32_t>(values_.size());
+  rec_.path_len = path_.size();
+  rec_.path_hash = path_hash_;
+  rec_.first_outer = static_cast<uint32_t>(outers_.size());
+  rec_.leaves = std::move(w.leaves);
+  for (const at::Tensor& leaf : rec_.leaves) {
+    rec_.grads_before.push_back(leaf.grad());
+    rec_.block.grads.push_back(meta_of(leaf.grad()));
+  }
+  recording_ = true;
+  backward_why_ = "its block was being made";
+  return kRecord;
+}
+
+Ref Capture::ref_of(const at::Tensor& t, Block& b, bool written) {
+  if (!t.defined()) return {Ref::kNone, 0};
+  for (size_t i = 0; i < rec_.leaves.size(); ++i)  // (first: an in-place add to it moves its version)
+    if (rec_.grads_before[i].defined() && rec_.grads_before[i].unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
+      return {Ref::kGrad, static_cast<uint32_t>(i)};
+  if (is_ph(t)) {
+    const Slot* s = impl_of(t)->slot.get();
+    if (s != nullptr && s->id >= first_value_) return {Ref::kStep, static_cast<uint32_t>(s->id - first_value_)};
+    refuse("the backward read a placeholder of another step");
+    return {Ref::kNone, 0};
+  }
+  const uint32_t o = outer(t);
+  if (o < rec_.first_outer) return {Ref::kOuter, o};
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
+    b.consts.push_back(t);
+    return {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
+  }
+  // an unpacked saved tensor is a shallow copy of the one the forward saw (make_variable): the
+  // same storage and metadata (no formula writes to one in place)
+  if (t.has_storage()) {
+    const TensorMeta m = meta_of(t);
+    for (uint32_t k = 0; k < rec_.first_outer; ++k) {
+      const auto p = outers_[k].lock();
+      if (p && p->has_storage() && p->storage().unsafeGetStorageImpl() == t.storage().unsafeGetStorageImpl() &&
+          m.same(at::Tensor(p)))
+        return {Ref::kOuter, k};
+    }
+  }
+  // a tensor a formula made without the kernel (a factory's BackendSelect): filled by the block,
+  // or (read first) computed at once from numbers and sizes, the same each time
+  auto [f, first] = rec_.fresh_of.try_emplace(o, static_cast<uint32_t>(b.fresh.size()));
+  if (!first) return {Ref::kFresh, f->second};
+  if (written && t.storage_offset() == 0) {
+    b.fresh.push_back(meta_of(t));
+    return {Ref::kFresh, f->second};
+  }
+  rec_.fresh_of.erase(f);
+  if (t.numel() <= kConstElements) {
+    c10::impl::ForceDispatchKeyGuard off(included_before_, c10::impl::tls_local_dispatch_key_set().excluded_);
+    at::AutoDispatchBelowADInplaceOrView below;
+    b.consts.push_back(t.clone());
+    return {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
+  }
+  refuse("the backward read a tensor made outside the dispatcher");
+  return {Ref::kNone, 0};
+}
+
+// While a block is made: the op as the engine issued it.
+void Capture::record(const c10::OperatorHandle& op, const Entry& e, Args args, bool grad_mode) {
+  Block& b = rec_.block;
+  BlockOp o;
+  o.op = &op;
+  o.grad_mode = grad_mode;
+  o.written = e.written;
+  o.outputs = e.outputs;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& a = args[i];
+    o.ref_begin.push_back(static_cast<uint32_t>(o.refs.size()));
+    if (!has_tensor(a)) {
+      o.args.push_back(a);
+      continue;
+    }
+    bool written = false;
+    for (int w : e.written) written = written || w == static_cast<int>(i);
+    each_tensor(a, [&](const at::Tensor& t) { o.refs.push_back(ref_of(t, b, written)); });
+    o.args.push_back(map_tensors(a, [](const at::Tensor&) { return at::Tensor(); }));
+  }
+  b.ops.push_back(std::move(o));
+}
+
+void Capture::backward_end(bool ok, const std::string& python) {
+  if (!recording_) return;
+  recording_ = false;
+  Block b = std::move(rec_.block);
+  b.id = next_block_++;
+  if (!ok) {
+    b.why_not = "the engine raised when its block was made";
+  } else if (!python.empty()) {
+    b.why_not = "Python ran inside the backward (" + python + ")";
+  } else {
+    b.why_not = rec_.why_not;
+  }
+  for (size_t i = 0; i < rec_.leaves.size() && b.why_not.empty(); ++i) {
+    const at::Tensor& after = rec_.leaves[i].grad();
+    const at::Tensor& before = rec_.grads_before[i];
+    if (after.defined() ? before.defined() && after.unsafeGetTensorImpl() == before.unsafeGetTensorImpl()
+                        : !before.defined())
+      continue;  // (accumulated in place, or not reached)
+    const Slot* s = after.defined() && is_ph(after) && after.layout() == c10::kStrided ? impl_of(after)->slot.get()
+                                                                                        : nullptr;
+    if (s == nullptr || s->id < first_value_ + b.first_value || s->id >= first_value_ + values_.size()) {
+      b.why_not = "a leaf's .grad was set to what the backward's ops did not make";
+      break;
+    }
+    b.bindings.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(s->id - first_value_), meta_of(after)});
+  }
+  b.values = static_cast<uint32_t>(values_.size()) - b.first_value;
+  if (b.why_not.empty()) {  // (the path goes on as a replay's will: the block in place of its ops)
+    path_.resize(rec_.path_len);
+    path_hash_ = rec_.path_hash;
+    extend_path(mix(0xB10C, b.id));
+    backward_why_ = "its block was made";
+  } else {
+    b.ops.clear();
+    b.consts.clear();
+    b.fresh.clear();
+    backward_why_ = b.why_not;
+    if (rec_.again && ok && python.empty()) {
+      --made_at_[rec_.site];
+      rec_ = Recording{};
+      return;
+    }
+  }
+  blocks_[rec_.path_hash].push_back(std::move(b));  // (the hash of its path)
+  rec_ = Recording{};
+}
+
+// Issue block `b` for this step (graph `w`), or say why not (nothing issued then).
+std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site) {
+  if (w.leaves.size() != b.grads.size()) return "the graph reaches other leaves than when its block was made";
+  for (size_t i = 0; i < w.leaves.size(); ++i) {
+    const at::Tensor& g = w.leaves[i].grad();
+    const TensorMeta& m = b.grads[i];
+    if ((m.dtype == c10::ScalarType::Undefined) != !g.defined() || (g.defined() && !m.same(g)))
+      return "a leaf's .grad is not as when its block was made";
+  }
+  if (values_.size() != b.first_value) return "the step made other placeholders before it";
+  // every tensor the block reads is found before any op is issued
+  std::vector<std::shared_ptr<Slot>> fresh(b.values);
+  for (auto& f : fresh) f = std::make_shared<Slot>();
+  struct Got {
+    std::shared_ptr<Slot> slot;
+    at::Tensor t;
+  };
+  std::vector<Got> got;
+  std::vector<at::Tensor> made_fresh(b.fresh.size());
+  for (const BlockOp& o : b.ops)
+    for (const Ref& r : o.refs) {
+      Got g;
+      switch (r.kind) {
+        case Ref::kNone:
+          break;
+        case Ref::kStep:
+          g.slot = r.a >= b.first_value ? fresh[r.a - b.first_value] : values_[r.a].lock();
+          if (!g.slot) return "a value its block reads was let go of";
+          break;
+        case Ref::kOuter: {
+          auto p = outers_[r.a].lock();
+          if (!p) return "a tensor its block reads was let go of";
+          g.t = at::Tensor(std::move(p));
+          break;
+        }
+        case Ref::kGrad:
+          g.t = w.leaves[r.a].grad();
+          if (is_ph(g.t)) g.slot = impl_of(g.t)->slot;
+          break;
+        case Ref::kConst:
+          g.t = b.consts[r.a];
+          break;
+        case Ref::kFresh:
+          if (!made_fresh[r.a].defined()) {
+            const TensorMeta& m = b.fresh[r.a];
+            made_fresh[r.a] = at::Tensor(at::detail::empty_strided_cpu(m.sizes, m.strides, m.dtype));
+          }
+          g.t = made_fresh[r.a];
+          break;
+      }
+      got.push_back(std::move(g));
+    }
+  for (size_t k = 0; k < fresh.size(); ++k) {
+    fresh[k]->id = next_value_++;
+    values_.emplace_back(fresh[k]);
+  }
+  size_t g0 = 0, made = 0;
+  for (const BlockOp& o : b.ops) {
+    TapeEntry& e = worker_->next_entry();
+    e.op = o.op;
+    e.grad_mode = o.grad_mode;
+    e.index = static_cast<int64_t>(places_.size());
+    places_.push_back(site);
+    for (size_t i = 0; i < o.args.size(); ++i) {
+      const uint32_t rb = o.ref_begin[i];
+      const uint32_t re = i + 1 < o.ref_begin.size() ? o.ref_begin[i + 1] : static_cast<uint32_t>(o.refs.size());
+      e.arg_slots.push_back(static_cast<uint32_t>(e.slots.size()));
+      bool real = false;
+      for (uint32_t k = rb; k < re; ++k) {
+        const Got& x = got[g0 + k];
+        e.slots.push_back(x.slot);
+        real = real || (!x.slot && x.t.defined());
+      }
+      if (!real) {
+        e.args.push_back(o.args[i]);
+        continue;
+      }
+      size_t k = g0 + rb;
+      e.args.push_back(map_tensors(o.args[i], [&](const at::Tensor&) {
+        const Got& x = got[k++];
+        return x.slot ? at::Tensor() : x.t;
+      }));
+    }
+    for (size_t r = 0; r < o.written.size(); ++r) {
+      e.out_begin.push_back(static_cast<uint32_t>(e.out_slots.size()));
+      const int wr = o.written[r];
+      if (wr >= 0) {  // (in place: its tensor's version moves, as autograd's kernel moves it)
+        const uint32_t rb = o.ref_begin[wr];
+        const uint32_t re = wr + 1 < static_cast<int>(o.ref_begin.size()) ? o.ref_begin[wr + 1]
+                                                                           : static_cast<uint32_t>(o.refs.size());
+        for (uint32_t k = rb; k < re; ++k)
+          if (got[g0 + k].t.defined()) got[g0 + k].t.unsafeGetTensorImpl()->bump_version();
+        continue;
+      }
+      for (const TensorMeta& m : o.outputs[r].tensors)
+        e.out_slots.push_back(m.dtype == c10::ScalarType::Undefined ? nullptr : fresh[made++]);
+    }
+    g0 += o.refs.size();
+    e.trash.swap(trash_);
+    worker_->publish();
+  }
+  ops_ += static_cast<int64_t>(b.ops.size());
+  for (const Binding& bd : b.bindings)
+    w.leaves[bd.leaf].mutable_grad() = placeholder_of(bd.meta, fresh[bd.value - b.first_value]);
+  for (torch::autograd::Node* n : w.nodes) n->release_variables();  // (retain_graph=False)
+  extend_path(mix(0xB10C, b.id));
+  ++replayed_;
+  if (worker_->buried() > kBuriedBeforeExhume) worker_->exhume();
+  return "";
+}
+
 void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
@@ -473,11 +875,32 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
   torch::jit::drop(*stack, n);
   ++ops_;
+  // the op's part of the step's path: where its tensors came from, and its numbers where
+  // autograd may save them (its entry is added below)
+  const bool grad_mode = c10::GradMode::is_enabled();
+  bool needs_grad = false;
+  uint64_t d = grad_mode;
   for (const auto& a : args)  // (placeholders report the CPU: a CUDA step would be answered wrong)
-    each_tensor(a, [&op](const at::Tensor& t) {
+    each_tensor(a, [&](const at::Tensor& t) {
       TORCH_CHECK(!t.defined() || t.is_cpu() || t.is_meta(), "coexec: capture runs steps on the CPU only for now; ",
                   op.schema().name(), " got a tensor on ", t.device());
+      d = mix(d, wiring(t));
+      needs_grad = needs_grad || (t.defined() && t.requires_grad());
     });
+  if (grad_mode && needs_grad)
+    for (const auto& a : args) {
+      if (a.isDouble()) {
+        const double x = a.toDouble();
+        uint64_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        d = mix(d, bits);
+      } else if (a.isInt()) {
+        d = mix(d, static_cast<uint64_t>(a.toInt()));
+      } else if (a.isBool()) {
+        d = mix(d, a.toBool() ? 7 : 5);
+      }
+    }
+  if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) saved_hooks_ = true;
   const int64_t index = static_cast<int64_t>(places_.size());  // (locate adds this op's place)
   const Key key = locate(op);
   const Entry* cached = nullptr;
@@ -486,7 +909,14 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (auto v = it->second.rbegin(); v != it->second.rend() && cached == nullptr; ++v)
       if (matches(*v, schema, args)) cached = &*v;
   if (mode_ == Mode::kAsync && (cached == nullptr || cached->run_now || changes_written(*cached, args))) {
-    if (cached == nullptr) ++misses_;
+    if (cached == nullptr) {
+      ++misses_;
+      missed_ = true;
+    }
+    if (recording_ && refuse("an op of the backward ran at once (new at its line, or its result read)"))
+      rec_.again = cached == nullptr;  // (new at its line: the next step at this path tries again)
+    // (a miss's entry is new: no block follows a path with one)
+    extend_path(mix(d, cached != nullptr ? cached->id : ~static_cast<uint64_t>(next_entry_id_)));
     run_now(op, key, args, stack);
     return;
   }
@@ -497,10 +927,12 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     cached = &fill(op, key, args, *stack);
     torch::jit::drop(*stack, nret);
   }
+  extend_path(mix(d, cached->id));
+  if (recording_) record(op, *cached, args, grad_mode);
   if (mode_ != Mode::kAsync) take_written_metadata(*cached, args, included_before_);
   TapeEntry& entry = worker_ ? worker_->next_entry() : tape_.emplace_back();
   entry.op = &op;
-  entry.grad_mode = c10::GradMode::is_enabled();
+  entry.grad_mode = grad_mode;
   entry.index = index;
   for (size_t r = 0; r < nret; ++r) {
     const int w = cached->written[r];
@@ -513,11 +945,13 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       std::vector<at::Tensor> l;
       for (const TensorMeta& t : m.tensors) {
         l.push_back(make_ph(t));
+        number(l.back());
         entry.out_slots.push_back(slot_of(l.back()));
       }
       out = std::move(l);
     } else {
       at::Tensor t = make_ph(m.tensors[0]);
+      number(t);
       entry.out_slots.push_back(slot_of(t));
       out = std::move(t);
     }
@@ -569,6 +1003,9 @@ void bind_capture(py::module_& m) {
       .def("realize", &Capture::realize)
       .def("wait", &Capture::wait)
       .def("replay", &Capture::replay)
+      .def("backward_begin", &Capture::backward_begin)
+      .def("backward_end", &Capture::backward_end)
+      .def_property_readonly("backward_why", &Capture::backward_why)
       .def_property_readonly("stepping", &Capture::stepping)
       .def_property_readonly("counters", &Capture::counters)
       .def_property_readonly("failure_frames", &Capture::failure_frames);

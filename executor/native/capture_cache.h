@@ -37,6 +37,7 @@ using Args = c10::ArrayRef<c10::IValue>;  // an op's arguments (taken off its st
 struct OutMeta {  // one return: a tensor, or a list of them
   bool is_list = false;
   std::vector<TensorMeta> tensors;
+  bool operator==(const OutMeta& o) const { return is_list == o.is_list && tensors == o.tensors; }
 };
 
 struct Where {
@@ -70,6 +71,7 @@ struct Entry {
   // (written_arg), and whether it must run at once (must_run_now)
   std::vector<int> written;
   bool run_now = false;
+  uint64_t id = 0;  // the same id for the same arguments and outputs (a step's path names it)
 };
 
 bool has_tensor(const c10::IValue& iv) {

@@ -34,6 +34,7 @@ constexpr auto kKey = c10::DispatchKey::PrivateUse3;
 
 struct Slot {
   at::Tensor real;  // the value, once computed
+  uint64_t id = 0;  // its number among the capture's placeholders (capture_blocks.h; 0: none)
 };
 
 // In the thread whose step is captured (async mode): the values its placeholders let go of last,

@@ -31,6 +31,23 @@ def test_program_is_bit_equal_to_eager(program) -> None:
     assert s.last_phase == "coexec" and 0 < s.native_ops <= s.last_ops
 
 
+def test_backward_after_a_known_path_is_a_gradient_block() -> None:
+    """From the third step on at the latest (first sight, then the block is made; the process's
+    capture may know the program from a test before) ``loss.backward()`` runs no autograd
+    engine; the stats say so, and the training is eager's."""
+    program = next(p for p in PROGRAMS if p.name == "static_mlp")
+    eager, captured = program(0), program(0)
+    tape = coexec.GradientTape(backend="native", key=("native", "blocks"))
+    blocks = []
+    for i in range(5):
+        want = eager.step(i)
+        with tape:
+            got = captured.step(i)
+        blocks.append(tape.stats.gradient_blocks)
+        assert torch.equal(want, got)
+    assert blocks[2:] == [1, 1, 1]
+
+
 @pytest.mark.parametrize("program", DYNAMIC_PROGRAMS, ids=[p.name for p in DYNAMIC_PROGRAMS])
 def test_program_whose_sizes_change_is_bit_equal_to_eager(program) -> None:
     """Each new size is a miss, run at once as eager; no trace limit to reach."""

@@ -1,0 +1,274 @@
+"""Gradient blocks of the native capture (native/capture_blocks.h): a ``loss.backward()`` after
+the same ops as a step before issues that step's gradient ops without the autograd engine, bit-equal
+to eager, and runs the engine wherever Python or a hook runs in the backward, the graph or the
+leaves' ``.grad`` differ, or the backward has arguments."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from executor import native
+from executor.capture import Capture
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="capture runs on the native module")
+
+
+class State:
+    """A small MLP, its optimizer and four batches, the same for every seed-0 instance."""
+
+    def __init__(self, opt: str = "sgd") -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+            torch.nn.Linear(16, 2),
+        )  # fmt: skip
+        params = self.model.parameters()
+        self.opt = (
+            torch.optim.Adam(params, lr=0.01) if opt == "adam" else torch.optim.SGD(params, lr=0.05)
+        )
+        self.data = [(torch.randn(6, 8), torch.randn(6, 2)) for _ in range(4)]
+        self.log: list[Any] = []  # what hooks and Python backwards saw
+
+
+def plain_step(s: State, i: int) -> torch.Tensor:
+    x, y = s.data[i % 4]
+    s.opt.zero_grad()
+    loss = F.mse_loss(s.model(x), y)
+    loss.backward()
+    s.opt.step()
+    return loss.detach()
+
+
+def run(
+    step: Callable[[State, int], torch.Tensor], steps: int, opt: str = "sgd"
+) -> tuple[list[int], list[str]]:
+    """Run ``step`` eagerly and captured from equal states; assert losses, ``.grad`` after each
+    step, parameters, optimizer state and what hooks saw bit-equal; return the gradient blocks
+    per captured step and why each step's latest backward ran the engine."""
+    eager, captured = State(opt), State(opt)
+    capture = Capture()
+    blocks, whys = [], []
+    for i in range(steps):
+        le = step(eager, i)
+        before = capture.counters.gradient_blocks
+        with capture.step():
+            lc = step(captured, i)
+        blocks.append(capture.counters.gradient_blocks - before)
+        whys.append(capture.backward_why)
+        assert torch.equal(le, lc), f"step {i}: loss {lc} against eager {le}"
+        for (name, pe), pc in zip(eager.model.named_parameters(), captured.model.parameters()):
+            assert (pe.grad is None) == (pc.grad is None), f"step {i}: {name}.grad"
+            if pe.grad is not None:
+                assert torch.equal(pe.grad, pc.grad), f"step {i}: {name}.grad differs"
+                assert pe.grad._version == pc.grad._version, f"step {i}: {name}.grad's version"
+            assert torch.equal(pe, pc), f"step {i}: {name} differs"
+    for se, sc in zip(eager.opt.state.values(), captured.opt.state.values()):
+        for k in se:
+            assert torch.equal(torch.as_tensor(se[k]), torch.as_tensor(sc[k])), k
+    assert len(eager.log) == len(captured.log)
+    for a, b in zip(eager.log, captured.log):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    return blocks, whys
+
+
+def test_a_path_seen_before_replays_its_block() -> None:
+    """Step 0 meets its ops (run at once), step 1 makes the block, the others replay it."""
+    blocks, whys = run(plain_step, 8)
+    assert blocks == [0, 0, 1, 1, 1, 1, 1, 1]
+    assert whys[2:] == [""] * 6
+
+
+def test_adam_and_its_changing_step_size() -> None:
+    blocks, _ = run(plain_step, 8, opt="adam")
+    assert blocks[2:] == [1] * 6
+
+
+def test_gradients_accumulate_into_the_grads_of_steps_before() -> None:
+    """No zero_grad between steps: the block adds to the ``.grad`` the step found, in place
+    (its version moves as eager's), and only where the leaves' grads are as when it was made."""
+
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        loss = F.mse_loss(s.model(x), y)
+        loss.backward()
+        if i % 3 == 2:
+            s.opt.step()
+            s.opt.zero_grad(set_to_none=False)  # (zeroed in place: the grads stay real tensors)
+        return loss.detach()
+
+    blocks, _ = run(step, 12)
+    assert sum(blocks) >= 6
+
+
+def test_hooks_and_retain_grad_run_the_engine() -> None:
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        h = s.model[1](s.model[0](x))
+        if i % 2:
+            h.register_hook(lambda g: s.log.append(g.clone()))
+        else:
+            h.retain_grad()
+        loss = F.mse_loss(s.model[2:](h), y)
+        loss.backward()
+        if not i % 2:
+            s.log.append(h.grad.clone())
+        s.opt.step()
+        return loss.detach()
+
+    blocks, whys = run(step, 6)
+    assert blocks == [0] * 6
+    assert all("hooks" in w for w in whys)
+
+
+def test_a_python_backward_runs_every_step() -> None:
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        loss = F.mse_loss(s.model(Scale.apply(x.requires_grad_())), y)
+        loss.backward()
+        s.log.append(x.grad.clone())
+        x.grad = None
+        x.requires_grad_(False)
+        s.opt.step()
+        return loss.detach()
+
+    blocks, whys = run(step, 5)
+    assert blocks == [0] * 5
+    assert "Python node" in whys[-1]
+
+
+def test_checkpointed_layers_run_the_engine() -> None:
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        h = checkpoint(s.model[:2], x, use_reentrant=False)
+        loss = F.mse_loss(s.model[2:](h), y)
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
+    blocks, whys = run(step, 5)
+    assert blocks == [0] * 5
+    assert "saved-tensor hooks" in whys[-1]
+
+
+def test_a_number_autograd_saves_is_part_of_the_path() -> None:
+    """``leaky_relu``'s slope is a Scalar its backward reads: a step with another slope makes
+    another block (one made for another slope would give other gradients)."""
+
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        loss = F.mse_loss(F.leaky_relu(s.model(x), 0.1 * (1 + i % 3)), y)
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 12)
+    assert blocks == [0, 0, 0, 0] + [1] * 8
+
+
+def test_a_number_wrapped_in_a_tensor_is_read_where_it_is() -> None:
+    """``loss * w`` with a Python float: autograd saves the wrapped number, which the block
+    reads from the step that replays it."""
+
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        loss = F.mse_loss(s.model(x), y) * (1.0 + i * 0.5)
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 6)
+    assert blocks[2:] == [1] * 4
+
+
+def test_a_frozen_layer_changes_the_graph() -> None:
+    """Freezing a layer leaves the forward's ops as they were; its graph is not, nor its block."""
+
+    def step(s: State, i: int) -> torch.Tensor:
+        if i == 4:
+            s.model[0].requires_grad_(False)
+        return plain_step(s, i)
+
+    blocks, _ = run(step, 9)
+    assert blocks[2:4] == [1, 1] and blocks[-1] == 1
+
+
+def test_two_backwards_in_a_step() -> None:
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        out = s.model(x)
+        F.mse_loss(out[:, :1], y[:, :1]).backward()
+        loss = F.mse_loss(s.model(x)[:, 1:], y[:, 1:])
+        loss.backward()
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 6)
+    assert blocks[2:] == [2] * 4
+
+
+def test_backward_with_arguments_runs_the_engine() -> None:
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        loss = F.mse_loss(s.model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward(torch.tensor(0.5))
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 5)
+    assert blocks == [0] * 5
+
+
+def test_a_second_backward_through_a_replayed_graph_raises_as_eager() -> None:
+    s = State()
+    capture = Capture()
+    for i in range(4):
+        with capture.step():
+            x, y = s.data[i % 4]
+            loss = F.mse_loss(s.model(x), y)
+            loss.backward()
+            if i == 3:
+                assert capture.counters.gradient_blocks > 0
+                with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                    loss.backward()
+
+
+def test_backward_outside_a_step_is_torchs_own() -> None:
+    original = torch.autograd.backward
+    capture = Capture()
+    with capture.step():
+        assert torch.autograd.backward is not original
+    assert torch.autograd.backward is original
+
+
+def test_the_blocks_gradients_are_plain_tensors_after_the_step() -> None:
+    s = State()
+    capture = Capture()
+    for i in range(4):
+        with capture.step():
+            plain_step(s, i)
+    grads = [copy.deepcopy(p.grad) for p in s.model.parameters()]
+    assert all(g is not None and g.numpy() is not None for g in grads)
