@@ -115,7 +115,8 @@ constexpr int64_t kBuriedBeforeExhume = 256;  // see locate
 constexpr int64_t kTimedEvery = 8;  // the kernel's time is sampled (a clock read costs ~25 ns)
 // gradient blocks (capture_blocks.h): made at most per backward() line; the largest tensor a
 // formula made outside the dispatcher that a block keeps a copy of
-constexpr int kBlocksPerSite = 16;
+constexpr int kBlocksPerSite = 16;  // (never replayed)
+constexpr int64_t kMaxBlocks = 4096;
 constexpr int64_t kConstElements = 4096;
 
 // What backward_begin() tells the caller to do.
@@ -311,7 +312,10 @@ class Capture {
   bool missed_ = false;       // an op of the step was new at its line (its path is new)
   std::unordered_map<uint64_t, std::vector<Block>> blocks_;  // by the hash of their path
   std::vector<Block> no_blocks_;
-  std::unordered_map<Where, int, WhereHash> made_at_;        // blocks made per backward() line
+  // per backward() line: blocks made there that were never replayed (where paths never repeat,
+  // making stops), and blocks kept in all
+  std::unordered_map<Where, int, WhereHash> unused_at_;
+  int64_t blocks_made_ = 0;
   uint64_t next_block_ = 1;
   int64_t replayed_ = 0;
   std::string backward_why_;
@@ -611,6 +615,7 @@ int Capture::backward_begin(const at::Tensor& loss) {
   const auto bucket = blocks_.find(path_hash_);
   for (Block& b : bucket != blocks_.end() ? bucket->second : no_blocks_) {
     if (b.graph != w.digest || b.path != path_) continue;
+    if (b.replays++ == 0) --unused_at_[b.site];  // (met again: worth its making, or its refusal)
     if (!b.why_not.empty()) return engine(b.why_not);
     std::string why = issue_block(b, w, site);
     if (!why.empty()) return engine(why);
@@ -618,10 +623,16 @@ int Capture::backward_begin(const at::Tensor& loss) {
     return kReplayed;
   }
   if (missed_) return engine("ops new at their line ran in this step before it");
-  int& made = made_at_[Where{site.user, site.user_lasti}];
-  if (made >= kBlocksPerSite)
-    return engine("no block for the ops before it, after " + std::to_string(kBlocksPerSite) + " made at this line");
-  ++made;
+  int& unused = unused_at_[Where{site.user, site.user_lasti}];
+  if (unused >= kBlocksPerSite)
+    return engine("no block for the ops before it, and " + std::to_string(kBlocksPerSite) +
+                  " made at this line were never used");
+  if (blocks_made_ >= kMaxBlocks) {  // (a long sweep of models: the old ones' blocks go)
+    blocks_.clear();
+    unused_at_.clear();
+    blocks_made_ = 0;
+  }
+  ++unused_at_[Where{site.user, site.user_lasti}];
   rec_ = Recording{};
   rec_.site = Where{site.user, site.user_lasti};
   rec_.block.path = path_;
@@ -748,11 +759,13 @@ void Capture::backward_end(bool ok, const std::string& python) {
     b.fresh.clear();
     backward_why_ = b.why_not;
     if (rec_.again && ok && python.empty()) {
-      --made_at_[rec_.site];
+      --unused_at_[rec_.site];
       rec_ = Recording{};
       return;
     }
   }
+  b.site = rec_.site;
+  ++blocks_made_;
   blocks_[rec_.path_hash].push_back(std::move(b));  // (the hash of its path)
   rec_ = Recording{};
 }

@@ -78,6 +78,8 @@ struct Block {
   uint64_t graph = 0;          // the autograd graph's shape (GraphWalk::digest)
   std::string why_not;         // not empty: no block here (and why); the engine runs
   uint64_t id = 0;
+  Where site{nullptr, -1};  // the backward() line it was made at
+  int64_t replays = 0;
   uint32_t first_value = 0;  // the step's placeholder count when the call came
   uint32_t values = 0;       // placeholders its ops make
   std::vector<BlockOp> ops;
