@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -248,13 +249,18 @@ class _Waiting:
                 return None
             if how == _ENGINE:
                 return original(tensors)
+            if sys.getprofile() is not None:  # (cProfile: its hook cannot be watched around)
+                try:
+                    return original(tensors)
+                finally:
+                    c.backward_end(False, "a profiler is active: no block is made meanwhile", True)
             ok, watch = False, PythonWatch()
             try:
                 with watch:
                     original(tensors)
                 ok = True
             finally:
-                c.backward_end(ok, watch.seen or "")
+                c.backward_end(ok, watch.seen or "", False)
             return None
 
         return backward

@@ -37,6 +37,11 @@ class PythonWatch:
 
     def __enter__(self) -> PythonWatch:
         self._old = sys.getprofile()
+        if self._old is not None:
+            # (a profiler such as cProfile: its C-level hook cannot be put back from Python, and
+            # it would not be seen while this one is in place)
+            self.seen = f"a profiler is active ({type(self._old).__name__})"
+            return self
         if WATCHES_ALL_THREADS:
             self._old_new_threads = threading.getprofile()
             threading.setprofile_all_threads(self._event)
@@ -45,6 +50,8 @@ class PythonWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            return
         if WATCHES_ALL_THREADS:  # other threads' own profilers, if any, are not restored
             threading.setprofile_all_threads(None)
             threading.setprofile(self._old_new_threads)

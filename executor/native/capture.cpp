@@ -234,8 +234,9 @@ class Capture {
   int backward_begin(const at::Tensor& loss);
 
   // The engine ran for a kRecord (ok: without an error; `python`: Python it saw run inside the
-  // engine, if any).
-  void backward_end(bool ok, const std::string& python);
+  // engine, if any; `again`: the block could not be watched for it this time (a profiler was
+  // active), so none is kept and the next step at this path tries again).
+  void backward_end(bool ok, const std::string& python, bool again);
 
   // Why the latest backward() ran the engine ("" if a block answered it).
   const std::string& backward_why() const { return backward_why_; }
@@ -721,9 +722,15 @@ void Capture::record(const c10::OperatorHandle& op, const Entry& e, Args args, b
   b.ops.push_back(std::move(o));
 }
 
-void Capture::backward_end(bool ok, const std::string& python) {
+void Capture::backward_end(bool ok, const std::string& python, bool again) {
   if (!recording_) return;
   recording_ = false;
+  if (again) {
+    backward_why_ = python;
+    --unused_at_[rec_.site];
+    rec_ = Recording{};
+    return;
+  }
   Block b = std::move(rec_.block);
   b.id = next_block_++;
   if (!ok) {
@@ -941,7 +948,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     torch::jit::drop(*stack, nret);
   }
   extend_path(mix(d, cached->id));
-  if (recording_) record(op, *cached, args, grad_mode);
+  if (recording_ && rec_.why_not.empty()) record(op, *cached, args, grad_mode);  // (none if refused)
   if (mode_ != Mode::kAsync) take_written_metadata(*cached, args, included_before_);
   TapeEntry& entry = worker_ ? worker_->next_entry() : tape_.emplace_back();
   entry.op = &op;

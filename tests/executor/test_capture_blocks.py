@@ -6,6 +6,7 @@ leaves' ``.grad`` differ, or the backward has arguments."""
 from __future__ import annotations
 
 import copy
+import cProfile
 from collections.abc import Callable
 from typing import Any
 
@@ -254,6 +255,29 @@ def test_a_second_backward_through_a_replayed_graph_raises_as_eager() -> None:
                 assert capture.counters.gradient_blocks > 0
                 with pytest.raises(RuntimeError, match="backward through the graph a second time"):
                     loss.backward()
+
+
+def test_a_profiler_running_leaves_the_engine_to_run() -> None:
+    """cProfile's hook cannot be put back from Python (the watch for Python in the backward
+    raised TypeError on leaving): while a profiler runs no block is made, and once it stops
+    they are."""
+    eager, captured = State(), State()
+    capture = Capture()
+    blocks = []
+    profile = cProfile.Profile()
+    for i in range(8):
+        if i == 0:
+            profile.enable()
+        le = plain_step(eager, i)
+        before = capture.counters.gradient_blocks
+        with capture.step():
+            lc = plain_step(captured, i)
+        if i == 3:
+            profile.disable()
+            assert "a profiler is active" in capture.backward_why
+        blocks.append(capture.counters.gradient_blocks - before)
+        assert torch.equal(le, lc)
+    assert blocks[:4] == [0] * 4 and blocks[-2:] == [1, 1]
 
 
 def test_backward_outside_a_step_is_torchs_own() -> None:
