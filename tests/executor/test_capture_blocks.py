@@ -229,6 +229,39 @@ def test_two_backwards_in_a_step() -> None:
     assert blocks[2:] == [2] * 4
 
 
+def test_an_input_that_requires_grad_gets_its_gradient() -> None:
+    """The batch is a leaf too (a saliency map, an adversarial step): each step's own batch
+    gets its ``.grad`` from the block, by its place in the graph."""
+
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        x = x.clone().requires_grad_()
+        s.opt.zero_grad()
+        loss = F.mse_loss(s.model(x), y)
+        loss.backward()
+        s.log.append(x.grad)
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 6)
+    assert blocks[2:] == [1] * 4
+
+
+def test_new_parameter_objects_get_the_gradients() -> None:
+    """A layer replaced by a new one of the same shape between steps (the same ops, the same
+    graph): the block binds the new parameters' ``.grad``."""
+
+    def step(s: State, i: int) -> torch.Tensor:
+        if i == 4:
+            torch.manual_seed(1)
+            s.model[2] = torch.nn.Linear(16, 16)
+            s.opt = torch.optim.SGD(s.model.parameters(), lr=0.05)
+        return plain_step(s, i)
+
+    blocks, _ = run(step, 7)
+    assert blocks[2:] == [1, 1, 0, 1, 1]  # (step 4 also initialised the layer: other ops)
+
+
 def test_backward_with_arguments_runs_the_engine() -> None:
     def step(s: State, i: int) -> torch.Tensor:
         x, y = s.data[i % 4]
