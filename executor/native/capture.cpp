@@ -475,17 +475,7 @@ class Capture {
     Key k{&op, {nullptr, -1}, 0};
     Place place{nullptr, -1, nullptr, -1};
     std::optional<py::gil_scoped_acquire> gil;
-#ifdef COEXEC_FRAME_WITHOUT_GIL
-    PyThreadState* ts = PyGILState_GetThisThreadState();
-    _PyInterpreterFrame* f = ts != nullptr && ts->cframe != nullptr ? ts->cframe->current_frame : nullptr;
-    for (int depth = 0; f != nullptr && depth < kUserDepth; f = f->previous, ++depth)
-      if (!_PyFrame_IsIncomplete(f) &&
-          visit(f->f_code, _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT)), place, gil))
-        break;
-#else
-    gil.emplace();
-    walk_with_gil(place, gil);
-#endif
+    walk(place, gil);
     if (worker_ && (gil || worker_->buried() > kBuriedBeforeExhume)) {
       if (!gil) gil.emplace();
       worker_->exhume();
@@ -498,7 +488,23 @@ class Capture {
     return k;
   }
 
-  // locate's walk with the GIL held: through frame objects.
+  // The walk outwards from the innermost Python frame (visit): on CPython 3.11 through its
+  // interpreter frames, without the GIL; elsewhere through frame objects, with it.
+  void walk(Place& place, std::optional<py::gil_scoped_acquire>& gil) {
+#ifdef COEXEC_FRAME_WITHOUT_GIL
+    PyThreadState* ts = PyGILState_GetThisThreadState();
+    _PyInterpreterFrame* f = ts != nullptr && ts->cframe != nullptr ? ts->cframe->current_frame : nullptr;
+    for (int depth = 0; f != nullptr && depth < kUserDepth; f = f->previous, ++depth)
+      if (!_PyFrame_IsIncomplete(f) &&
+          visit(f->f_code, _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT)), place, gil))
+        break;
+#else
+    gil.emplace();
+    walk_with_gil(place, gil);
+#endif
+  }
+
+  // walk() with the GIL held: through frame objects.
   void walk_with_gil(Place& place, std::optional<py::gil_scoped_acquire>& gil) {
     PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
     Py_XINCREF(f);
@@ -590,10 +596,10 @@ void Capture::run_now(const c10::OperatorHandle& op, const Key& key, Args args,
 
 // -- gradient blocks (capture_blocks.h) --------------------------------------------------------
 
-Capture::Place Capture::here() {  // (GIL held: called from Python)
+Capture::Place Capture::here() {
   Place place{nullptr, -1, nullptr, -1};
   std::optional<py::gil_scoped_acquire> gil;
-  walk_with_gil(place, gil);
+  walk(place, gil);
   return place;
 }
 
