@@ -313,6 +313,7 @@ class Capture {
   bool missed_ = false;       // an op of the step was new at its line (its path is new)
   std::unordered_map<uint64_t, std::vector<Block>> blocks_;  // by the hash of their path
   std::vector<Block> no_blocks_;
+  GraphWalker walker_;
   // per backward() line: blocks made there that were never replayed (where paths never repeat,
   // making stops), and blocks kept in all
   std::unordered_map<Where, int, WhereHash> unused_at_;
@@ -613,7 +614,7 @@ int Capture::backward_begin(const at::Tensor& loss) {
   if (saved_hooks_) return engine("saved-tensor hooks were active in the step (checkpointing, offloading)");
   if (torch::autograd::AnomalyMode::is_enabled()) return engine("anomaly detection is on");
   if (!loss.defined() || !loss.grad_fn()) return engine("the loss has no gradient function");
-  GraphWalk w = walk_graph(loss.grad_fn().get());
+  const GraphWalk& w = walker_.walk(loss.grad_fn().get());
   if (!w.why_not.empty()) return engine(w.why_not);
   for (const at::Tensor& leaf : w.leaves)
     if (leaf.grad().defined() && leaf.grad().layout() != c10::kStrided)
@@ -648,7 +649,7 @@ int Capture::backward_begin(const at::Tensor& loss) {
   rec_.path_len = path_.size();
   rec_.path_hash = path_hash_;
   rec_.first_outer = static_cast<uint32_t>(outers_.size());
-  rec_.leaves = std::move(w.leaves);
+  rec_.leaves = w.leaves;
   for (const at::Tensor& leaf : rec_.leaves) {
     rec_.grads_before.push_back(leaf.grad());
     rec_.block.grads.push_back(meta_of(leaf.grad()));
@@ -761,6 +762,7 @@ void Capture::backward_end(bool ok, const std::string& python, bool again) {
     b.bindings.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(s->id - first_value_), meta_of(after)});
   }
   b.values = static_cast<uint32_t>(values_.size()) - b.first_value;
+  for (const BlockOp& o : b.ops) b.refs += o.refs.size();
   if (b.why_not.empty()) {  // (the path goes on as a replay's will: the block in place of its ops)
     path_.resize(rec_.path_len);
     path_hash_ = rec_.path_hash;
@@ -801,6 +803,7 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
     at::Tensor t;
   };
   std::vector<Got> got;
+  got.reserve(b.refs);
   std::vector<at::Tensor> made_fresh(b.fresh.size());
   for (const BlockOp& o : b.ops)
     for (const Ref& r : o.refs) {

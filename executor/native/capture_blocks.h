@@ -18,12 +18,13 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <typeinfo>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -88,6 +89,7 @@ struct Block {
   std::vector<Binding> bindings;
   // per leaf of the graph: its ``.grad`` when the block was made (undefined: none)
   std::vector<TensorMeta> grads;
+  size_t refs = 0;  // the ops' tensor arguments in all
 };
 
 // The autograd graph a backward from `root` runs, as the engine would find it.
@@ -98,46 +100,99 @@ struct GraphWalk {
   std::string why_not;              // not empty: Python runs in this backward, or a hook does
 };
 
-GraphWalk walk_graph(torch::autograd::Node* root) {
-  using torch::autograd::AccumulateGrad;
-  GraphWalk w;
-  std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> todo{root};
-  uint64_t h = 0;
-  while (!todo.empty()) {
-    torch::autograd::Node* n = todo.back();
-    todo.pop_back();
-    if (!seen.insert(n).second) continue;
-    w.nodes.push_back(n);
-    // (PyNode, a Python backward: torch_python does not export its type, so it is told by name)
-    if (std::strcmp(typeid(*n).name(), "N5torch8autograd6PyNodeE") == 0) {
-      w.why_not = "the graph has a Python node (a custom autograd.Function, a module's backward hook)";
-      return w;
-    }
-    if (!n->pre_hooks().empty() || !n->tensor_pre_hooks().empty() || !n->retains_grad_hooks().empty() ||
-        !n->post_hooks().empty()) {
-      w.why_not = "a node of the graph has hooks (register_hook, retain_grad, a module's hook)";
-      return w;
-    }
-    h = mix(h, typeid(*n).hash_code());
-    if (auto* acc = dynamic_cast<AccumulateGrad*>(n)) {
-      if (torch::autograd::impl::post_acc_grad_hooks(acc->variable)) {
-        w.why_not = "a leaf has a post-accumulate-grad hook";
-        return w;
+// Walks the autograd graph a backward from a root runs, as the engine would find it, reusing its
+// buffers (a hash set's node per node, typeid's name compared and a dynamic_cast per node were
+// most of the walk's cost).
+class GraphWalker {
+ public:
+  const GraphWalk& walk(torch::autograd::Node* root) {
+    using torch::autograd::AccumulateGrad;
+    w_.digest = 0;
+    w_.nodes.clear();
+    w_.leaves.clear();
+    w_.why_not.clear();
+    seen_.assign(std::max<size_t>(64, seen_.size()), nullptr);
+    count_ = 0;
+    todo_.assign(1, root);
+    uint64_t h = 0;
+    while (!todo_.empty()) {
+      torch::autograd::Node* n = todo_.back();
+      todo_.pop_back();
+      if (!insert(n)) continue;
+      w_.nodes.push_back(n);
+      const std::type_info* type = &typeid(*n);
+      const Kind kind = kind_of(type, n);
+      if (kind == kPython) {
+        w_.why_not = "the graph has a Python node (a custom autograd.Function, a module's backward hook)";
+        return w_;
       }
-      h = mix(h, 0xACC + w.leaves.size());
-      w.leaves.push_back(acc->variable);
+      if (!n->pre_hooks().empty() || !n->tensor_pre_hooks().empty() || !n->retains_grad_hooks().empty() ||
+          !n->post_hooks().empty()) {
+        w_.why_not = "a node of the graph has hooks (register_hook, retain_grad, a module's hook)";
+        return w_;
+      }
+      h = mix(h, reinterpret_cast<uintptr_t>(type));  // (one type_info per type in a process)
+      if (kind == kAccumulate) {
+        const at::Tensor& leaf = static_cast<AccumulateGrad*>(n)->variable;
+        if (torch::autograd::impl::post_acc_grad_hooks(leaf)) {
+          w_.why_not = "a leaf has a post-accumulate-grad hook";
+          return w_;
+        }
+        h = mix(h, 0xACC + w_.leaves.size());
+        w_.leaves.push_back(leaf);
+      }
+      const auto& edges = n->next_edges();
+      h = mix(h, edges.size());
+      for (const auto& e : edges) {
+        h = mix(h, e.function ? e.input_nr + 1 : 0);
+        if (e.function) todo_.push_back(e.function.get());
+      }
     }
-    const auto& edges = n->next_edges();
-    h = mix(h, edges.size());
-    for (const auto& e : edges) {
-      h = mix(h, e.function ? e.input_nr + 1 : 0);
-      if (e.function) todo.push_back(e.function.get());
+    w_.digest = h;
+    return w_;
+  }
+
+ private:
+  enum Kind : uint8_t { kPlain, kPython, kAccumulate };
+  GraphWalk w_;
+  std::vector<torch::autograd::Node*> todo_;
+  std::vector<torch::autograd::Node*> seen_;  // open addressing, a power of two long
+  size_t count_ = 0;
+  std::array<std::pair<const std::type_info*, Kind>, 64> kinds_{};  // direct-mapped, by type
+
+  Kind kind_of(const std::type_info* type, torch::autograd::Node* n) {
+    auto& k = kinds_[(reinterpret_cast<uintptr_t>(type) >> 4) & 63];
+    if (k.first != type) {
+      // (PyNode, a Python backward: torch_python does not export its type, so it is told by name)
+      k = {type, std::strcmp(type->name(), "N5torch8autograd6PyNodeE") == 0           ? kPython
+                 : dynamic_cast<torch::autograd::AccumulateGrad*>(n) != nullptr ? kAccumulate
+                                                                                 : kPlain};
+    }
+    return k.second;
+  }
+
+  // Add `n` to the nodes seen; false if it was there.
+  bool insert(torch::autograd::Node* n) {
+    if (2 * (count_ + 1) > seen_.size()) {  // (grown: the walk's nodes so far go in again)
+      seen_.assign(seen_.size() * 2, nullptr);
+      count_ = 0;
+      for (torch::autograd::Node* m : w_.nodes) place(m);
+    }
+    return place(n);
+  }
+
+  bool place(torch::autograd::Node* n) {
+    const size_t mask = seen_.size() - 1;
+    for (size_t i = (reinterpret_cast<uintptr_t>(n) >> 4) & mask;; i = (i + 1) & mask) {
+      if (seen_[i] == n) return false;
+      if (seen_[i] == nullptr) {
+        seen_[i] = n;
+        ++count_;
+        return true;
+      }
     }
   }
-  w.digest = h;
-  return w;
-}
+};
 
 // A placeholder with the given metadata whose value `slot` receives.
 at::Tensor placeholder_of(const TensorMeta& m, std::shared_ptr<Slot> slot) {
