@@ -672,12 +672,9 @@ Ref Capture::ref_of(const at::Tensor& t, Block& b, bool written) {
   }
   const uint32_t o = outer(t);
   if (o < rec_.first_outer) return {Ref::kOuter, o};
-  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
-    b.consts.push_back(t);
-    return {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
-  }
   // an unpacked saved tensor is a shallow copy of the one the forward saw (make_variable): the
-  // same storage and metadata (no formula writes to one in place)
+  // same storage and metadata (no formula writes to one in place); a wrapped number too (``loss
+  // * w``: the step's w, not the recording's)
   if (t.has_storage()) {
     const TensorMeta m = meta_of(t);
     for (uint32_t k = 0; k < rec_.first_outer; ++k) {
@@ -686,6 +683,10 @@ Ref Capture::ref_of(const at::Tensor& t, Block& b, bool written) {
           m.same(at::Tensor(p)))
         return {Ref::kOuter, k};
     }
+  }
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {  // (made by a formula from its numbers)
+    b.consts.push_back(t);
+    return {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
   }
   // a tensor a formula made without the kernel (a factory's BackendSelect): filled by the block,
   // or (read first) computed at once from numbers and sizes, the same each time
