@@ -66,6 +66,7 @@ class CaptureCounters(NamedTuple):
     wait_seconds: float  # the step's thread waiting for the worker (reads, ops run at once, ends)
     worker_seconds: float  # the worker running ops
     gradient_blocks: int  # ``backward()`` calls a gradient block answered (no autograd engine)
+    backward_calls: int  # plain ``loss.backward()`` calls in captured steps (a block may answer)
 
 
 class Capture:
@@ -97,10 +98,11 @@ class Capture:
 
     @property
     def counters(self) -> CaptureCounters:
-        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks = self._c.counters
+        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls = self._c.counters
         return CaptureCounters(
-            ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9, blocks
-        )
+            ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9, blocks,
+            calls,
+        )  # fmt: skip
 
     @property
     def backward_why(self) -> str:

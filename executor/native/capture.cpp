@@ -220,10 +220,11 @@ class Capture {
 
   // ops seen, misses (answered by running them, or by meta kernels where nothing is computed),
   // ops run at once, nanoseconds in the kernel, ops the tape holds, nanoseconds waiting for the
-  // worker, nanoseconds the worker ran ops, backward() calls answered by a gradient block
+  // worker, nanoseconds the worker ran ops, backward() calls answered by a gradient block,
+  // plain backward() calls in all
   py::tuple counters() const {
     return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
-                          worker_ ? worker_->busy_ns() : int64_t(0), replayed_);
+                          worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_);
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -319,7 +320,7 @@ class Capture {
   std::unordered_map<Where, int, WhereHash> unused_at_;
   int64_t blocks_made_ = 0;
   uint64_t next_block_ = 1;
-  int64_t replayed_ = 0;
+  int64_t replayed_ = 0, backwards_ = 0;
   std::string backward_why_;
   struct Recording {
     Block block;
@@ -605,6 +606,7 @@ Capture::Place Capture::here() {
 }
 
 int Capture::backward_begin(const at::Tensor& loss) {
+  ++backwards_;
   auto engine = [this](std::string why) {
     backward_why_ = std::move(why);
     return static_cast<int>(kEngine);

@@ -133,6 +133,21 @@ def test_debug_says_which_steps_met_new_ops(capsys) -> None:
     assert steps in (["0", "2"], ["2"])
 
 
+def test_debug_says_why_a_backward_ran_the_engine(capsys) -> None:
+    state = _state()
+    tape = coexec.GradientTape(backend="native", key=("native", "debug engine"), debug=True)
+    for i in range(4):
+        with tape:
+            x, y = state["data"][i % 3]
+            state["opt"].zero_grad()
+            h = state["model"](x)
+            h.register_hook(lambda g: g)
+            torch.nn.functional.mse_loss(h, y).backward()
+            state["opt"].step()
+    lines = [x for x in capsys.readouterr().err.splitlines() if "ran the autograd engine" in x]
+    assert len(lines) == 4 and "hooks" in lines[-1]
+
+
 def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None:
     monkeypatch.setattr(native, "ready", lambda: None)
     state = _state()
