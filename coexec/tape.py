@@ -75,9 +75,7 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
-    native_ops: int = (
-        0  # of the latest co-executed step: ops the native engine ran, without the GIL
-    )
+    native_ops: int = 0  # of the latest co-executed step: ops the native engine ran, without the GIL
     # of the latest co-executed step: its backward() calls issued as known gradient blocks,
     # without the autograd engine (coexec/gradients.py; native: native/capture_blocks.h)
     gradient_blocks: int = 0
@@ -124,9 +122,7 @@ class Program:
         self.paths: list[PathInput] = []  # the observed paths, as the planner takes them
         self.schedule: Schedule | None = None  # the plan in use (None: unplanned, issue order)
         self.arena: torch.Tensor | None = None  # its arena, allocated whole
-        self.block_index: BlockIndex | None = (
-            None  # its blocks, for the skeleton (coexec/blocks.py)
-        )
+        self.block_index: BlockIndex | None = None  # its blocks, for the skeleton (coexec/blocks.py)
         self.arena_outs: dict = {}  # its arena placements per op (Session.arena_outs)
         self.gradient_blocks = GradientBlocks()  # its backward calls' blocks
         self.budget: int | None = None
@@ -270,9 +266,7 @@ class Program:
         """The plan from the next step on, with its arena, allocated once up front at exactly
         the planned size (it counts whole)."""
         self.schedule = schedule
-        self.block_index = (
-            BlockIndex(schedule.blocks) if schedule is not None and schedule.blocks else None
-        )
+        self.block_index = BlockIndex(schedule.blocks) if schedule is not None and schedule.blocks else None
         self.arena_outs = {}
         if schedule is None or schedule.arena_bytes == 0:
             self.arena = None
@@ -336,17 +330,13 @@ class GradientTape:
         offload: bool | None = None,
     ) -> None:
         if not isinstance(max_traces, int) or isinstance(max_traces, bool):
-            raise TypeError(
-                f"max_traces must be an int (new traces before staying eager), got {max_traces!r}"
-            )
+            raise TypeError(f"max_traces must be an int (new traces before staying eager), got {max_traces!r}")
         if max_traces < 1:
             raise ValueError(f"max_traces must be at least 1, got {max_traces!r}")
         if sync not in SYNC_POLICIES:
             raise ValueError(f"sync must be one of {SYNC_POLICIES}, got {sync!r}")
         if backend not in BACKENDS:
-            raise ValueError(
-                f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}"
-            )
+            raise ValueError(f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}")
         if backend == "native":
             _check_native_options(sync, arena, memory_budget, offload)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
@@ -375,16 +365,12 @@ class GradientTape:
             raise TypeError(f"offload must be True, False or None (automatic), got {offload!r}")
         self.offload = offload
         if arena is not None and not isinstance(arena, bool):
-            raise TypeError(
-                f"arena must be True, False or None (on without a budget), got {arena!r}"
-            )
+            raise TypeError(f"arena must be True, False or None (on without a budget), got {arena!r}")
         self.arena = self.memory_budget is None and backend != "native" if arena is None else arena
         self._thread = threading.get_ident()
         self._program: Program | None = None
         self._step: _Step | _NativeStep | None = None
-        self._native_last: tuple[Any, Program] | None = (
-            None  # (key, program) of the last native step
-        )
+        self._native_last: tuple[Any, Program] | None = None  # (key, program) of the last native step
 
     # -- context manager ------------------------------------------------------------------
     def __enter__(self) -> "GradientTape":
@@ -638,9 +624,7 @@ class _ProgramSkeleton(Skeleton):
     on_external = staticmethod(_meet)
 
 
-def _check_native_options(
-    sync: str, arena: bool | None, memory_budget: Any, offload: bool | None
-) -> None:
+def _check_native_options(sync: str, arena: bool | None, memory_budget: Any, offload: bool | None) -> None:
     """The options the native backend cannot honour yet say so, rather than being ignored."""
     unplanned = "the native backend does not follow plans yet (issue 16); backend='interpret' does"
     if memory_budget is not None:
@@ -753,14 +737,7 @@ class _Step:
             collector.hold()  # (released by GradientTape.__exit__, once the step is let go of)
 
     def _new_session(self, program: Program) -> Session:
-        return Session(
-            self.ex,
-            self.tape.timeout,
-            program.schedule,
-            program.arena,
-            program.block_index,
-            program.arena_outs,
-        )
+        return Session(self.ex, self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs)
 
     # -- which program (coexec/programs.py) -------------------------------------------------
     def meet_parameter(self, t: torch.Tensor) -> None:
@@ -804,8 +781,7 @@ class _Step:
             target.budget_error is None
             and target.plan_failure is None
             and (target.budget is None or target.plan_current)
-            and (target.budget, target.offload, target.use_arena)
-            == (tape.memory_budget, tape.offload, tape.arena)
+            and (target.budget, target.offload, target.use_arena) == (tape.memory_budget, tape.offload, tape.arena)
         )
         if fresh and target.stats.phase == "coexec" and planned_alike:
             old, self.session = self.session, self._new_session(target)
@@ -921,9 +897,7 @@ class _Step:
             return tuple(sk.sites)
         return path_signature(sk.cursor.placed, iterations)
 
-    def _settle(
-        self, session: Session, leaves: list, optimizers: list, broken: bool = False
-    ) -> None:
+    def _settle(self, session: Session, leaves: list, optimizers: list, broken: bool = False) -> None:
         """Bind the step's placeholders, give persistent state its real tensors, and let the
         executor forget the step; a broken executor (dead, stuck, failed) is replaced."""
         stats = self.program.stats
@@ -943,11 +917,7 @@ class _Step:
         stats.mirrored_fetches = self.rec.mirrored_fetches
         stats.run_ahead = now.run_ahead - before.run_ahead
         stats.step_seconds = time.perf_counter() - self.t0
-        path = (
-            session.schedule.signatures.get(self.signature)
-            if session.schedule is not None
-            else None
-        )
+        path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
         plan = session.schedule.paths[path] if path is not None else None
         stats.planned_path = path
         stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
@@ -985,9 +955,7 @@ class _Step:
             program.stop_planning()  # plans would take the cores from its steps
             if not program.capped:
                 program.capped = True
-                msg = max_traces_message(
-                    program.where, stats.traces, tape.max_traces, program.reasons
-                )
+                msg = max_traces_message(program.where, stats.traces, tape.max_traces, program.reasons)
                 warnings.warn_explicit(msg, RuntimeWarning, *self.with_line)
 
     def _note(self, why: FallbackReason) -> None:
