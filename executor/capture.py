@@ -17,6 +17,11 @@ autograd, modules and optimizers run unchanged over placeholders, and the values
 for bit (the same kernels in the same order with the same thread count). At the step's end the
 worker catches up and every placeholder still alive becomes its value in place.
 
+A plain ``loss.backward()`` whose step ran the same ops as a step before does not run the autograd
+engine: the ops the engine issued then (a gradient block, ``native/capture_blocks.h``) go to the
+worker directly, and each leaf's ``.grad`` is bound as the engine bound it; hooks, Python
+``autograd.Function`` s and checkpointing run the engine.
+
 Python code that reads a tensor's memory without an ATen op (``numpy()``, ``tolist()``,
 ``data_ptr()``, storages, DLPack, printing) waits for the value first: those methods of
 ``torch.Tensor`` are wrapped while a step runs, as are the functions that read or set the CPU

@@ -17,6 +17,9 @@
 //   are not tensors. An op the cache cannot answer, one whose result Python reads (``.item()``),
 //   one whose output shape depends on data, or an in-place op that changes metadata (a miss)
 //   waits for the worker and runs at once, as eager would, and fills the cache.
+// * A plain ``loss.backward()`` after a path seen before issues the ops the engine made then,
+//   without running it (capture_blocks.h); executor/capture.py swaps ``torch.autograd.backward``
+//   in a step to ask.
 // * Modes: "async" (the worker computes as ops come), "replay" (nothing computed during the
 //   step; replay() runs the tape afterwards: the check that the tape is complete) and "tape"
 //   (nothing computed: what the skeleton alone costs). Where nothing is computed during the

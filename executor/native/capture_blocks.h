@@ -1,11 +1,11 @@
 // Capture's gradient blocks (capture.cpp): ``loss.backward()`` without the autograd engine.
 // Internal to capture.cpp, the only file that includes it (hence the anonymous namespace).
 //
-// On CPU the engine runs a backward in the calling thread: per node a thread-local state set
-// and restored, an input buffer, validation, the ready queue, the node's formula, and then its
-// ops through the dispatcher to the kernel: about 30000 instructions a node on a small MLP,
-// a third of a captured step (callgrind), all on the skeleton's thread. Yet on a path the
-// capture knows, the backward makes the same ops every step. So the first step at a path runs
+// On CPU the engine runs a backward in the calling thread, the skeleton's: per node a
+// thread-local state set and restored, an input buffer, validation, the ready queue, the
+// node's formula, then its ops through the dispatcher to the kernel (docs/coexec.md, *Gradient
+// blocks*, has the figures). Yet on a path the capture knows, the backward makes the same ops
+// every step. So the first step at a path runs
 // the engine and keeps the ops it made as a Block (a Recording while it runs); a later step
 // whose ops before the call were the same (Capture's path: each op's cache entry, the values of
 // its numbers where autograd may save them, and where each tensor argument came from) and whose
@@ -100,9 +100,8 @@ struct GraphWalk {
   std::string why_not;              // not empty: Python runs in this backward, or a hook does
 };
 
-// Walks the autograd graph a backward from a root runs, as the engine would find it, reusing its
-// buffers (a hash set's node per node, typeid's name compared and a dynamic_cast per node were
-// most of the walk's cost).
+// Walks the autograd graph a backward from a root runs, as the engine would find it; its buffers
+// are reused, and what kind each node type is is remembered (a walk runs every backward()).
 class GraphWalker {
  public:
   const GraphWalk& walk(torch::autograd::Node* root) {
