@@ -11,6 +11,8 @@ alternating step by step after a warm-up (eager: 3 steps; coexec: until it co-ex
 * ``eager us/op``: eager step time per ATen op (compute plus PyTorch's per-op overhead).
 * ``skeleton us/op``: the time the Python skeleton was busy (step time minus its waits on the
   executor) per op: what running the user's Python costs under coexec, per op.
+* ``gradient blocks``: the last step's ``backward()`` calls issued as gradient blocks, without the
+  autograd engine (docs/coexec.md).
 * the Terra Fig. 3.11 breakdown of co-executed steps, as shares of step wall time: skeleton
   busy, skeleton stalled on fetches (and the end-of-step sync), executor busy, executor idle
   (waiting for the skeleton to issue ops: Terra's "stalled on feed/select").
@@ -97,6 +99,7 @@ def measure(name: str, steps: int, backend: str = "interpret") -> dict:
         "executor busy %": 100 * busy / wall,
         "executor idle %": 100 * max(0.0, wall - busy) / wall,
         "fallbacks": after.fallbacks - before.fallbacks,
+        "gradient blocks": after.gradient_blocks,  # of the last step: backward() without the engine
     }
 
 
