@@ -333,7 +333,7 @@ class Capture {
     std::vector<at::Tensor> leaves, grads_before;
     std::string why_not;  // the first reason found why no block can be made
     bool again = false;   // the reason will not hold next time: no block is kept (nor counted)
-    std::unordered_map<uint32_t, uint32_t> fresh_of;  // real tensors' numbers -> Block::fresh
+    std::unordered_map<uint32_t, Ref> made_of;  // real tensors made in the backward, by number
     Where site{nullptr, -1};
   } rec_;
 
@@ -677,6 +677,11 @@ Ref Capture::ref_of(const at::Tensor& t, Block& b, bool written) {
   }
   const uint32_t o = outer(t);
   if (o < rec_.first_outer) return {Ref::kOuter, o};
+  const auto known = rec_.made_of.find(o);  // (met before in the block: as then)
+  if (known != rec_.made_of.end()) {
+    if (written && known->second.kind == Ref::kConst) refuse("the backward wrote to a tensor it keeps");
+    return known->second;
+  }
   // an unpacked saved tensor is a shallow copy of the one the forward saw (make_variable): the
   // same storage and metadata (no formula writes to one in place); a wrapped number too (``loss
   // * w``: the step's w, not the recording's)
@@ -689,27 +694,28 @@ Ref Capture::ref_of(const at::Tensor& t, Block& b, bool written) {
         return {Ref::kOuter, k};
     }
   }
-  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {  // (made by a formula from its numbers)
+  // a tensor a formula made without the kernel (a factory's BackendSelect, a wrapped number):
+  // filled by the block, or (read first) computed at once from numbers and sizes, the same each
+  // time, so the block keeps it (written to later, it would not be the same: no block)
+  Ref r{Ref::kNone, 0};
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
     b.consts.push_back(t);
-    return {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
-  }
-  // a tensor a formula made without the kernel (a factory's BackendSelect): filled by the block,
-  // or (read first) computed at once from numbers and sizes, the same each time
-  auto [f, first] = rec_.fresh_of.try_emplace(o, static_cast<uint32_t>(b.fresh.size()));
-  if (!first) return {Ref::kFresh, f->second};
-  if (written && t.storage_offset() == 0) {
+    r = {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
+  } else if (written && t.storage_offset() == 0) {
     b.fresh.push_back(meta_of(t));
-    return {Ref::kFresh, f->second};
-  }
-  rec_.fresh_of.erase(f);
-  if (t.numel() <= kConstElements) {
+    r = {Ref::kFresh, static_cast<uint32_t>(b.fresh.size() - 1)};
+  } else if (t.numel() <= kConstElements) {
     c10::impl::ForceDispatchKeyGuard off(included_before_, c10::impl::tls_local_dispatch_key_set().excluded_);
     at::AutoDispatchBelowADInplaceOrView below;
     b.consts.push_back(t.clone());
-    return {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
+    r = {Ref::kConst, static_cast<uint32_t>(b.consts.size() - 1)};
+  } else {
+    refuse("the backward read a tensor made outside the dispatcher");
+    return r;
   }
-  refuse("the backward read a tensor made outside the dispatcher");
-  return {Ref::kNone, 0};
+  if (written && r.kind == Ref::kConst) refuse("the backward wrote to a tensor it keeps");
+  rec_.made_of.emplace(o, r);
+  return r;
 }
 
 // While a block is made: the op as the engine issued it.
