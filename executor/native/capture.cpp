@@ -118,7 +118,8 @@ constexpr int64_t kBuriedBeforeExhume = 256;  // see locate
 constexpr int64_t kTimedEvery = 8;  // the kernel's time is sampled (a clock read costs ~25 ns)
 // gradient blocks (capture_blocks.h): made at most per backward() line; the largest tensor a
 // formula made outside the dispatcher that a block keeps a copy of
-constexpr int kBlocksPerSite = 16;  // (never replayed)
+constexpr int kBlocksPerSite = 16;  // (the last made there, none replayed)
+constexpr int kMaxWait = 1024;       // (backward() calls between tries past that)
 constexpr int64_t kMaxBlocks = 4096;
 constexpr int64_t kConstElements = 4096;
 
@@ -318,9 +319,12 @@ class Capture {
   std::unordered_map<uint64_t, std::vector<Block>> blocks_;  // by the hash of their path
   std::vector<Block> no_blocks_;
   GraphWalker walker_;
-  // per backward() line: blocks made there that were never replayed (where paths never repeat,
-  // making stops), and blocks kept in all
-  std::unordered_map<Where, int, WhereHash> unused_at_;
+  // per backward() line: blocks made there since one was last used; past kBlocksPerSite (paths
+  // that never repeat) one is made only every `wait` calls there, `wait` doubling each time
+  struct Making {
+    int unused = 0, skipped = 0, wait = kBlocksPerSite;
+  };
+  std::unordered_map<Where, Making, WhereHash> making_at_;
   int64_t blocks_made_ = 0;
   uint64_t next_block_ = 1;
   int64_t replayed_ = 0, backwards_ = 0;
@@ -628,7 +632,9 @@ int Capture::backward_begin(const at::Tensor& loss) {
   const auto bucket = blocks_.find(path_hash_);
   for (Block& b : bucket != blocks_.end() ? bucket->second : no_blocks_) {
     if (b.graph != w.digest || b.path != path_) continue;
-    if (b.replays++ == 0) --unused_at_[b.site];  // (met again: worth its making, or its refusal)
+    // (met again: worth its making, or its refusal; the blocks made at its line before it that
+    // were not used are forgiven: a sweep's next model at one train() line makes its own)
+    if (b.replays++ == 0) making_at_[b.site] = Making{};
     if (!b.why_not.empty()) return engine(b.why_not);
     std::string why = issue_block(b, w, site);
     if (!why.empty()) return engine(why);
@@ -636,16 +642,20 @@ int Capture::backward_begin(const at::Tensor& loss) {
     return kReplayed;
   }
   if (missed_) return engine("ops new at their line ran in this step before it");
-  int& unused = unused_at_[Where{site.user, site.user_lasti}];
-  if (unused >= kBlocksPerSite)
-    return engine("no block for the ops before it, and " + std::to_string(kBlocksPerSite) +
-                  " made at this line were never used");
+  Making& making = making_at_[Where{site.user, site.user_lasti}];
+  if (making.unused >= kBlocksPerSite && ++making.skipped < making.wait)
+    return engine("no block for the ops before it, and the last " + std::to_string(kBlocksPerSite) +
+                  " made at this line were not used");
+  if (making.unused >= kBlocksPerSite) {  // (tried now and then: the paths may settle)
+    making.skipped = 0;
+    making.wait = std::min(2 * making.wait, kMaxWait);
+  }
   if (blocks_made_ >= kMaxBlocks) {  // (a long sweep of models: the old ones' blocks go)
     blocks_.clear();
-    unused_at_.clear();
+    making_at_.clear();
     blocks_made_ = 0;
   }
-  ++unused_at_[Where{site.user, site.user_lasti}];
+  ++making_at_[Where{site.user, site.user_lasti}].unused;
   rec_ = Recording{};
   rec_.site = Where{site.user, site.user_lasti};
   rec_.block.path = path_;
@@ -746,7 +756,7 @@ void Capture::backward_end(bool ok, const std::string& python, bool again) {
   recording_ = false;
   if (again) {
     backward_why_ = python;
-    --unused_at_[rec_.site];
+    --making_at_[rec_.site].unused;
     rec_ = Recording{};
     return;
   }
@@ -786,7 +796,7 @@ void Capture::backward_end(bool ok, const std::string& python, bool again) {
     b.fresh.clear();
     backward_why_ = b.why_not;
     if (rec_.again && ok && python.empty()) {
-      --unused_at_[rec_.site];
+      --making_at_[rec_.site].unused;
       rec_ = Recording{};
       return;
     }

@@ -262,6 +262,35 @@ def test_new_parameter_objects_get_the_gradients() -> None:
     assert blocks[2:] == [1, 1, 0, 1, 1]  # (step 4 also initialised the layer: other ops)
 
 
+def test_a_model_after_one_whose_paths_never_repeat_gets_blocks() -> None:
+    """A sweep through one ``train()``: the first model's paths never repeat (its slope changes
+    every step), so its blocks go unused and making them stops at that line, but for one every
+    16 calls there (then 32, ...); the next model's paths repeat: the first block made for it is
+    used, and the line makes blocks again."""
+
+    def step(s: State, i: int, slope: float) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        loss = F.mse_loss(F.leaky_relu(s.model(x), slope), y)
+        loss.backward()  # (one line for both models)
+        s.opt.step()
+        return loss.detach()
+
+    capture = Capture()
+    first, second = State(), State()
+    for i in range(20):
+        with capture.step():
+            step(first, i, 0.01 * (i + 1))
+    assert "were not used" in capture.backward_why
+    blocks = []
+    for i in range(20):
+        before = capture.counters.gradient_blocks
+        with capture.step():
+            step(second, i, 0.5)
+        blocks.append(capture.counters.gradient_blocks - before)
+    assert blocks[:6] == [0] * 6 and blocks[-3:] == [1, 1, 1]
+
+
 def test_backward_with_arguments_runs_the_engine() -> None:
     def step(s: State, i: int) -> torch.Tensor:
         x, y = s.data[i % 4]
