@@ -80,6 +80,7 @@ namespace {
 // -- registration ----------------------------------------------------------------------------
 
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack);
+void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack);
 
 // The kernel for PrivateUse3: a fallback for every op, and registered for each ATen op with a
 // CompositeExplicitAutograd(NonFunctional) kernel too (those are used for every backend ahead of a
@@ -90,6 +91,11 @@ void install() {
   std::call_once(once, [] {
     static auto* fallback = new torch::Library(torch::Library::IMPL, "_", kKey, __FILE__, __LINE__);
     fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&kernel>());
+    // (sparse tensors: the key makes their ops come to SparsePrivateUse3, which has no kernels;
+    // they run at once on the values, as eager)
+    static auto* sparse = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::SparsePrivateUse3,
+                                             __FILE__, __LINE__);
+    sparse->fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
     static auto* ops = new torch::Library(torch::Library::IMPL, "aten", kKey, __FILE__, __LINE__);
     auto& dispatcher = c10::Dispatcher::singleton();
     for (const auto& name : dispatcher.getAllOpNames()) {
@@ -566,6 +572,11 @@ class Capture {
 
   void run_now(const c10::OperatorHandle& op, const Key& key, Args args,
                torch::jit::Stack* stack);
+
+ public:
+  // An op on sparse tensors: run at once on the values (no placeholder is sparse); a step with
+  // one has a path no block follows, and a backward with one makes no block.
+  void run_sparse(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 };
 
 // Run ``op`` on the values of ``args`` (below autograd, with ``included`` as this thread's
@@ -1016,6 +1027,20 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+void Capture::run_sparse(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
+  torch::jit::drop(*stack, n);
+  ++ops_;
+  ++run_now_;
+  missed_ = true;
+  if (recording_) refuse("the backward has an op on sparse tensors");
+  extend_path(~static_cast<uint64_t>(next_entry_id_++));
+  drain();
+  raise_failure();
+  run_on_values(op, args, stack, included_before_);
+}
+
 // Outside a step a placeholder stands for its value (one that outlived its step without a value
 // is an error there).
 void outside(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -1026,6 +1051,15 @@ void outside(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 const bool g_debug = std::getenv("COEXEC_CAPTURE_DEBUG") != nullptr;  // each op to stderr (read once)
+
+void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  Capture* c = g_active.load(std::memory_order_relaxed);
+  if (c == nullptr) {
+    outside(op, stack);
+    return;
+  }
+  c->run_sparse(op, stack);
+}
 
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   Capture* c = g_active.load(std::memory_order_relaxed);

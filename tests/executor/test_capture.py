@@ -4,6 +4,7 @@ values where Python reads them, and report failures with the op's line."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import itertools
@@ -515,3 +516,28 @@ def test_the_cpu_byte_count_is_exact() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_sparse_gradients_run_at_once_bit_equal_to_eager() -> None:
+    """``nn.Embedding(sparse=True)``: the capture's key sent the sparse gradient's constructor to
+    SparsePrivateUse3, which has no kernel (NotImplementedError); ops on sparse tensors now run
+    at once on the values, and the backward with one runs the engine."""
+
+    def train(capture: Capture | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        emb, lin = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD([*emb.parameters(), *lin.parameters()], lr=0.1)
+        for i in range(5):
+            idx = torch.tensor([1, 2, i])
+            with capture.step() if capture is not None else contextlib.nullcontext():
+                opt.zero_grad()
+                loss = lin(emb(idx)).pow(2).sum()
+                loss.backward()
+                opt.step()
+            assert emb.weight.grad.is_sparse
+        return [loss.detach(), emb.weight.detach().clone(), lin.weight.detach().clone()]
+
+    capture = Capture()
+    for a, b in zip(train(None), train(capture)):
+        assert torch.equal(a, b)
+    assert "sparse" in capture.backward_why
