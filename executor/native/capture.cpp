@@ -635,6 +635,10 @@ int Capture::backward_begin(const at::Tensor& loss) {
   if (torch::autograd::AnomalyMode::is_enabled()) return engine("anomaly detection is on");
   if (!loss.defined() || !loss.grad_fn()) return engine("the loss has no gradient function");
   const GraphWalk& w = walker_.walk(loss.grad_fn().get());
+  struct Forget {  // (whichever way this returns)
+    GraphWalker& walker;
+    ~Forget() { walker.forget(); }
+  } forget{walker_};
   if (!w.why_not.empty()) return engine(w.why_not);
   for (const at::Tensor& leaf : w.leaves)
     if (leaf.grad().defined() && leaf.grad().layout() != c10::kStrided)

@@ -151,6 +151,12 @@ class GraphWalker {
     return w_;
   }
 
+  // Let go of the last walk's leaves (a model deleted after its last step is not kept alive).
+  void forget() {
+    w_.leaves.clear();
+    w_.nodes.clear();
+  }
+
  private:
   enum Kind : uint8_t { kPlain, kPython, kAccumulate };
   GraphWalk w_;

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import cProfile
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -358,3 +360,18 @@ def test_the_blocks_gradients_are_plain_tensors_after_the_step() -> None:
             plain_step(s, i)
     grads = [copy.deepcopy(p.grad) for p in s.model.parameters()]
     assert all(g is not None and g.numpy() is not None for g in grads)
+
+
+def test_a_model_deleted_after_its_steps_is_not_kept_alive() -> None:
+    """The graph walk's leaves (the parameters) are let go of after each backward()."""
+    capture = Capture()
+    model = torch.nn.Linear(4, 1)
+    weight = weakref.ref(model.weight)
+    x = torch.randn(3, 4)
+    for _ in range(4):
+        with capture.step():
+            model.zero_grad()
+            model(x).sum().backward()
+    del model
+    gc.collect()
+    assert weight() is None
