@@ -425,7 +425,10 @@ class Backwards:
         else:
             made = self._make(b0, v0, leaves, before, held, n_holders, let_go)
         self._log = {}
-        if isinstance(made, str):
+        if watch.blind:  # (a profiler ran: nothing was watched; the next step here tries again)
+            self.blocks.made[loc] -= 1
+            self.blocks.why_not[loc] = made
+        elif isinstance(made, str):
             self.blocks.by_key[key] = None
             self.blocks.refused[key] = self.blocks.why_not[loc] = made
         else:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -256,18 +255,13 @@ class _Waiting:
                 return None
             if how == _ENGINE:
                 return original(tensors)
-            if sys.getprofile() is not None:  # (cProfile: its hook cannot be watched around)
-                try:
-                    return original(tensors)
-                finally:
-                    c.backward_end(False, "a profiler is active: no block is made meanwhile", True)
             ok, watch = False, PythonWatch()
             try:
                 with watch:
                     original(tensors)
                 ok = True
-            finally:
-                c.backward_end(ok, watch.seen or "", False)
+            finally:  # (blind, under a profiler: no block now, the next step here tries again)
+                c.backward_end(ok, watch.seen or "", watch.blind)
             return None
 
         return backward

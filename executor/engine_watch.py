@@ -29,6 +29,7 @@ class PythonWatch:
 
     def __init__(self, own: tuple[str, ...] = ()) -> None:
         self.seen: str | None = None
+        self.blind = False  # a profiler was active: nothing was watched (``seen`` says so)
         self._own = own
         self._old: Any = None
         self._old_new_threads: Any = None
@@ -41,6 +42,7 @@ class PythonWatch:
             # (a profiler such as cProfile: its C-level hook cannot be put back from Python, and
             # it would not be seen while this one is in place)
             self.seen = f"a profiler is active ({type(self._old).__name__})"
+            self.blind = True
             return self
         if WATCHES_ALL_THREADS:
             self._old_new_threads = threading.getprofile()
@@ -50,7 +52,7 @@ class PythonWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
+        if self.blind:
             return
         if WATCHES_ALL_THREADS:  # other threads' own profilers, if any, are not restored
             threading.setprofile_all_threads(None)

@@ -255,3 +255,33 @@ def test_a_replayed_block_lets_go_of_each_saved_tensor_where_the_engine_did():
     peaks = _peaks_by_blocks(model, x, y, torch.optim.SGD(model.parameters(), lr=0.01), "gb-progressive")
     assert sorted(peaks) == [0, 1], peaks
     assert max(peaks[1]) <= peaks[0][0], peaks
+
+
+def test_a_profiler_running_keeps_the_engine_until_it_stops():
+    """cProfile's hook cannot be put back from Python (leaving the watch raised TypeError): while
+    a profiler runs no block is made, and none is refused for good, so once it stops they are."""
+    import cProfile
+
+    eager, captured = make(), make()
+    tape = coexec.GradientTape(key=("blocks", "profiler"))
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        for i in range(6):
+            want = train_step(eager, i)
+            with tape:
+                got = train_step(captured, i)
+            assert got.item() == want.item()
+            assert tape.stats.gradient_blocks == 0
+    finally:
+        profile.disable()
+    blocks = tape._program.gradient_blocks
+    (why,) = blocks.why_not.values()
+    assert "a profiler is active" in why
+    assert not blocks.refused and sum(blocks.made.values()) == 0  # (nothing refused for good)
+    for i in range(6, 12):
+        want = train_step(eager, i)
+        with tape:
+            got = train_step(captured, i)
+        assert got.item() == want.item()
+    assert tape.stats.gradient_blocks == 1
