@@ -122,12 +122,11 @@ constexpr size_t kVariants = 16;  // cached variants per op and location
 constexpr size_t kMaxLocations = 1 << 16;  // locations counted before the count starts afresh
 constexpr int64_t kBuriedBeforeExhume = 256;  // see locate
 constexpr int64_t kTimedEvery = 8;  // the kernel's time is sampled (a clock read costs ~25 ns)
-// gradient blocks (capture_blocks.h): made at most per backward() line; the largest tensor a
-// formula made outside the dispatcher that a block keeps a copy of
-constexpr int kBlocksPerSite = 16;  // (the last made there, none replayed)
-constexpr int kMaxWait = 1024;       // (backward() calls between tries past that)
-constexpr int64_t kMaxBlocks = 4096;
-constexpr int64_t kConstElements = 4096;
+// gradient blocks (capture_blocks.h)
+constexpr int kBlocksPerSite = 16;  // made at a backward() line and not used, before making slows
+constexpr int kMaxWait = 1024;       // backward() calls there between tries, at the slowest
+constexpr int64_t kMaxBlocks = 4096;  // kept in all
+constexpr int64_t kConstElements = 4096;  // the largest tensor made outside the dispatcher kept
 
 // What backward_begin() tells the caller to do.
 enum Backward : int { kReplayed = 0, kEngine = 1, kRecord = 2 };
@@ -361,6 +360,9 @@ class Capture {
     path_hash_ = mix(path_hash_, d);
   }
 
+  // A part of a path no other path has (an op new at its line, one on sparse tensors).
+  uint64_t never_matched() { return ~next_entry_id_++; }
+
   // The number of a real tensor of the step (given at first sight).
   uint32_t outer(const at::Tensor& t) {
     auto [it, fresh] = outer_ids_.try_emplace(t.unsafeGetTensorImpl(), static_cast<uint32_t>(outers_.size()));
@@ -572,6 +574,7 @@ class Capture {
 
   void run_now(const c10::OperatorHandle& op, const Key& key, Args args,
                torch::jit::Stack* stack);
+  void run_at_once(const c10::OperatorHandle& op, Args args, torch::jit::Stack* stack);
 
  public:
   // An op on sparse tensors: run at once on the values (no placeholder is sparse); a step with
@@ -607,11 +610,16 @@ void run_on_values(const c10::OperatorHandle& op, Args args, torch::jit::Stack* 
 // As eager: wait for the ops before it, run it on the values, and cache what it made.
 void Capture::run_now(const c10::OperatorHandle& op, const Key& key, Args args,
                       torch::jit::Stack* stack) {
+  run_at_once(op, args, stack);
+  fill(op, key, args, *stack);
+}
+
+// Wait for the ops before it and run it on the values.
+void Capture::run_at_once(const c10::OperatorHandle& op, Args args, torch::jit::Stack* stack) {
   ++run_now_;
   drain();
   raise_failure();
   run_on_values(op, args, stack, included_before_);
-  fill(op, key, args, *stack);
 }
 
 // -- gradient blocks (capture_blocks.h) --------------------------------------------------------
@@ -769,8 +777,10 @@ void Capture::record(const c10::OperatorHandle& op, const Entry& e, Args args, b
 void Capture::backward_end(bool ok, const std::string& python, bool again) {
   if (!recording_) return;
   recording_ = false;
-  if (again) {
-    backward_why_ = python;
+  // not watched (a profiler), or refused for an op new at its line: no block, nor counted; the
+  // next step at this path tries again
+  if (again || (ok && python.empty() && rec_.again)) {
+    backward_why_ = again ? python : rec_.why_not;
     --making_at_[rec_.site].unused;
     rec_ = Recording{};
     return;
@@ -799,7 +809,6 @@ void Capture::backward_end(bool ok, const std::string& python, bool again) {
     b.bindings.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(s->id - first_value_), meta_of(after)});
   }
   b.values = static_cast<uint32_t>(values_.size()) - b.first_value;
-  for (const BlockOp& o : b.ops) b.refs += o.refs.size();
   if (b.why_not.empty()) {  // (the path goes on as a replay's will: the block in place of its ops)
     path_.resize(rec_.path_len);
     path_hash_ = rec_.path_hash;
@@ -810,11 +819,6 @@ void Capture::backward_end(bool ok, const std::string& python, bool again) {
     b.consts.clear();
     b.fresh.clear();
     backward_why_ = b.why_not;
-    if (rec_.again && ok && python.empty()) {
-      --making_at_[rec_.site].unused;
-      rec_ = Recording{};
-      return;
-    }
   }
   b.site = rec_.site;
   ++blocks_made_;
@@ -833,14 +837,13 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
   }
   if (values_.size() != b.first_value) return "the step made other placeholders before it";
   // every tensor the block reads is found before any op is issued
-  std::vector<std::shared_ptr<Slot>> fresh(b.values);
-  for (auto& f : fresh) f = std::make_shared<Slot>();
+  std::vector<std::shared_ptr<Slot>> new_values(b.values);
+  for (auto& v : new_values) v = std::make_shared<Slot>();
   struct Got {
     std::shared_ptr<Slot> slot;
     at::Tensor t;
   };
   std::vector<Got> got;
-  got.reserve(b.refs);
   std::vector<at::Tensor> made_fresh(b.fresh.size());
   for (const BlockOp& o : b.ops)
     for (const Ref& r : o.refs) {
@@ -849,7 +852,7 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
         case Ref::kNone:
           break;
         case Ref::kStep:
-          g.slot = r.a >= b.first_value ? fresh[r.a - b.first_value] : values_[r.a].lock();
+          g.slot = r.a >= b.first_value ? new_values[r.a - b.first_value] : values_[r.a].lock();
           if (!g.slot) return "a value its block reads was let go of";
           break;
         case Ref::kOuter: {
@@ -875,11 +878,11 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
       }
       got.push_back(std::move(g));
     }
-  for (size_t k = 0; k < fresh.size(); ++k) {
-    fresh[k]->id = next_value_++;
-    values_.emplace_back(fresh[k]);
+  for (const auto& v : new_values) {
+    v->id = next_value_++;
+    values_.emplace_back(v);
   }
-  size_t g0 = 0, made = 0;
+  size_t g0 = 0, next_new = 0;
   for (const BlockOp& o : b.ops) {
     TapeEntry& e = worker_->next_entry();
     e.op = o.op;
@@ -887,8 +890,7 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
     e.index = static_cast<int64_t>(places_.size());
     places_.push_back(site);
     for (size_t i = 0; i < o.args.size(); ++i) {
-      const uint32_t rb = o.ref_begin[i];
-      const uint32_t re = i + 1 < o.ref_begin.size() ? o.ref_begin[i + 1] : static_cast<uint32_t>(o.refs.size());
+      const auto [rb, re] = o.refs_of(i);
       e.arg_slots.push_back(static_cast<uint32_t>(e.slots.size()));
       bool real = false;
       for (uint32_t k = rb; k < re; ++k) {
@@ -910,15 +912,13 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
       e.out_begin.push_back(static_cast<uint32_t>(e.out_slots.size()));
       const int wr = o.written[r];
       if (wr >= 0) {  // (in place: its tensor's version moves, as autograd's kernel moves it)
-        const uint32_t rb = o.ref_begin[wr];
-        const uint32_t re = wr + 1 < static_cast<int>(o.ref_begin.size()) ? o.ref_begin[wr + 1]
-                                                                           : static_cast<uint32_t>(o.refs.size());
+        const auto [rb, re] = o.refs_of(wr);
         for (uint32_t k = rb; k < re; ++k)
           if (got[g0 + k].t.defined()) got[g0 + k].t.unsafeGetTensorImpl()->bump_version();
         continue;
       }
       for (const TensorMeta& m : o.outputs[r].tensors)
-        e.out_slots.push_back(m.dtype == c10::ScalarType::Undefined ? nullptr : fresh[made++]);
+        e.out_slots.push_back(m.dtype == c10::ScalarType::Undefined ? nullptr : new_values[next_new++]);
     }
     g0 += o.refs.size();
     e.trash.swap(trash_);
@@ -926,7 +926,7 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
   }
   ops_ += static_cast<int64_t>(b.ops.size());
   for (const Binding& bd : b.bindings)
-    w.leaves[bd.leaf].mutable_grad() = placeholder_of(bd.meta, fresh[bd.value - b.first_value]);
+    w.leaves[bd.leaf].mutable_grad() = make_ph(bd.meta, new_values[bd.value - b.first_value]);
   for (torch::autograd::Node* n : w.nodes) n->release_variables();  // (retain_graph=False)
   extend_path(mix(0xB10C, b.id));
   ++replayed_;
@@ -936,10 +936,8 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
 
 void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
-  const size_t n = schema.arguments().size();
   const size_t nret = schema.returns().size();
-  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
-  torch::jit::drop(*stack, n);
+  auto args = take_args(op, stack);
   ++ops_;
   // the op's part of the step's path: where its tensors came from, and its numbers where
   // autograd may save them (its entry is added below)
@@ -982,7 +980,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (recording_ && refuse("an op of the backward ran at once (new at its line, or its result read)"))
       rec_.again = cached == nullptr;  // (new at its line: the next step at this path tries again)
     // (a miss's entry is new: no block follows a path with one)
-    extend_path(mix(d, cached != nullptr ? cached->id : ~static_cast<uint64_t>(next_entry_id_)));
+    extend_path(mix(d, cached != nullptr ? cached->id : never_matched()));
     run_now(op, key, args, stack);
     return;
   }
@@ -1032,25 +1030,18 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 void Capture::run_sparse(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const size_t n = op.schema().arguments().size();
-  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
-  torch::jit::drop(*stack, n);
+  auto args = take_args(op, stack);
   ++ops_;
-  ++run_now_;
   missed_ = true;
   if (recording_) refuse("the backward has an op on sparse tensors");
-  extend_path(~static_cast<uint64_t>(next_entry_id_++));
-  drain();
-  raise_failure();
-  run_on_values(op, args, stack, included_before_);
+  extend_path(never_matched());
+  run_at_once(op, args, stack);
 }
 
 // Outside a step a placeholder stands for its value (one that outlived its step without a value
 // is an error there).
 void outside(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const size_t n = op.schema().arguments().size();
-  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
-  torch::jit::drop(*stack, n);
+  auto args = take_args(op, stack);
   run_on_values(op, args, stack, c10::impl::tls_local_dispatch_key_set().included_);
 }
 

@@ -65,6 +65,11 @@ struct BlockOp {
   std::vector<Ref> refs;            // one per tensor of the arguments (each_tensor's order)
   std::vector<int> written;         // per return: the argument it writes, or -1
   std::vector<OutMeta> outputs;     // per return not written: the placeholders it makes
+
+  // The refs of argument `i` (begin, end) in `refs`.
+  std::pair<uint32_t, uint32_t> refs_of(size_t i) const {
+    return {ref_begin[i], i + 1 < ref_begin.size() ? ref_begin[i + 1] : static_cast<uint32_t>(refs.size())};
+  }
 };
 
 // A leaf's ``.grad`` bound to a value the block made (AccumulateGrad stole or cloned it).
@@ -89,7 +94,6 @@ struct Block {
   std::vector<Binding> bindings;
   // per leaf of the graph: its ``.grad`` when the block was made (undefined: none)
   std::vector<TensorMeta> grads;
-  size_t refs = 0;  // the ops' tensor arguments in all
 };
 
 // The autograd graph a backward from `root` runs, as the engine would find it.
@@ -198,14 +202,6 @@ class GraphWalker {
     }
   }
 };
-
-// A placeholder with the given metadata whose value `slot` receives.
-at::Tensor placeholder_of(const TensorMeta& m, std::shared_ptr<Slot> slot) {
-  auto impl = c10::make_intrusive<PlaceholderImpl>(c10::scalarTypeToTypeMeta(m.dtype), std::move(slot));
-  impl->take_metadata(m.sizes, m.strides, m.offset);
-  made(impl.get());
-  return at::Tensor(std::move(impl));
-}
 
 }  // namespace
 }  // namespace coexec

@@ -34,6 +34,14 @@ namespace py = pybind11;
 
 using Args = c10::ArrayRef<c10::IValue>;  // an op's arguments (taken off its stack)
 
+// The op's arguments, taken off its stack.
+c10::SmallVector<c10::IValue, 8> take_args(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->end() - n), std::make_move_iterator(stack->end()));
+  torch::jit::drop(*stack, n);
+  return args;
+}
+
 struct OutMeta {  // one return: a tensor, or a list of them
   bool is_list = false;
   std::vector<TensorMeta> tensors;

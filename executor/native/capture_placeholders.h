@@ -201,9 +201,11 @@ TensorMeta meta_of(const at::Tensor& t) {
   return {t.sizes().vec(), t.strides().vec(), t.storage_offset(), t.scalar_type()};
 }
 
-at::Tensor make_ph(const TensorMeta& m) {
+// A placeholder with metadata `m` whose value `slot` receives (a new slot if none).
+at::Tensor make_ph(const TensorMeta& m, std::shared_ptr<Slot> slot = nullptr) {
   if (m.dtype == c10::ScalarType::Undefined) return at::Tensor();
-  auto impl = c10::make_intrusive<PlaceholderImpl>(c10::scalarTypeToTypeMeta(m.dtype), std::make_shared<Slot>());
+  if (!slot) slot = std::make_shared<Slot>();
+  auto impl = c10::make_intrusive<PlaceholderImpl>(c10::scalarTypeToTypeMeta(m.dtype), std::move(slot));
   impl->take_metadata(m.sizes, m.strides, m.offset);
   made(impl.get());
   return at::Tensor(std::move(impl));
