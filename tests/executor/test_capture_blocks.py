@@ -40,11 +40,20 @@ class State:
         self.log: list[Any] = []  # what hooks and Python backwards saw
 
 
-def plain_step(s: State, i: int) -> torch.Tensor:
+def plain_step(
+    s: State,
+    i: int,
+    predict: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    weight: float | None = None,
+) -> torch.Tensor:
+    """One step: the MSE of ``predict(x)`` (the model's output if None), times ``weight`` if one
+    is given, its backward and the optimizer's step."""
     x, y = s.data[i % 4]
     s.opt.zero_grad()
-    loss = F.mse_loss(s.model(x), y)
-    loss.backward()
+    loss = F.mse_loss(s.model(x) if predict is None else predict(x), y)
+    if weight is not None:
+        loss = loss * weight
+    loss.backward()  # (one line for every test's steps)
     s.opt.step()
     return loss.detach()
 
@@ -159,13 +168,9 @@ def test_a_python_backward_runs_every_step() -> None:
 
 def test_checkpointed_layers_run_the_engine() -> None:
     def step(s: State, i: int) -> torch.Tensor:
-        x, y = s.data[i % 4]
-        s.opt.zero_grad()
-        h = checkpoint(s.model[:2], x, use_reentrant=False)
-        loss = F.mse_loss(s.model[2:](h), y)
-        loss.backward()
-        s.opt.step()
-        return loss.detach()
+        return plain_step(
+            s, i, lambda x: s.model[2:](checkpoint(s.model[:2], x, use_reentrant=False))
+        )
 
     blocks, whys = run(step, 5)
     assert blocks == [0] * 5
@@ -177,12 +182,7 @@ def test_a_number_autograd_saves_is_part_of_the_path() -> None:
     another block (one made for another slope would give other gradients)."""
 
     def step(s: State, i: int) -> torch.Tensor:
-        x, y = s.data[i % 4]
-        s.opt.zero_grad()
-        loss = F.mse_loss(F.leaky_relu(s.model(x), 0.1 * (1 + i % 3)), y)
-        loss.backward()
-        s.opt.step()
-        return loss.detach()
+        return plain_step(s, i, lambda x: F.leaky_relu(s.model(x), 0.1 * (1 + i % 3)))
 
     blocks, _ = run(step, 12)
     assert blocks == [0, 0, 0, 0] + [1] * 8
@@ -193,12 +193,7 @@ def test_a_number_wrapped_in_a_tensor_is_read_where_it_is() -> None:
     reads from the step that replays it."""
 
     def step(s: State, i: int) -> torch.Tensor:
-        x, y = s.data[i % 4]
-        s.opt.zero_grad()
-        loss = F.mse_loss(s.model(x), y) * (1.0 + i * 0.5)
-        loss.backward()
-        s.opt.step()
-        return loss.detach()
+        return plain_step(s, i, weight=1.0 + i * 0.5)
 
     blocks, _ = run(step, 6)
     assert blocks[2:] == [1] * 4
@@ -271,12 +266,7 @@ def test_a_model_after_one_whose_paths_never_repeat_gets_blocks() -> None:
     used, and the line makes blocks again."""
 
     def step(s: State, i: int, slope: float) -> torch.Tensor:
-        x, y = s.data[i % 4]
-        s.opt.zero_grad()
-        loss = F.mse_loss(F.leaky_relu(s.model(x), slope), y)
-        loss.backward()  # (one line for both models)
-        s.opt.step()
-        return loss.detach()
+        return plain_step(s, i, lambda x: F.leaky_relu(s.model(x), slope))
 
     capture = Capture()
     first, second = State(), State()
