@@ -665,6 +665,11 @@ int Capture::backward_begin(const at::Tensor& loss) {
     return kReplayed;
   }
   if (missed_) return engine("ops new at their line ran in this step before it");
+  if (blocks_made_ >= kMaxBlocks) {  // (a long sweep of models: the old ones' blocks go)
+    blocks_.clear();
+    making_at_.clear();
+    blocks_made_ = 0;
+  }
   Making& making = making_at_[Where{site.user, site.user_lasti}];
   if (making.unused >= kBlocksPerSite && ++making.skipped < making.wait)
     return engine("no block for the ops before it, and the last " + std::to_string(kBlocksPerSite) +
@@ -673,12 +678,7 @@ int Capture::backward_begin(const at::Tensor& loss) {
     making.skipped = 0;
     making.wait = std::min(2 * making.wait, kMaxWait);
   }
-  if (blocks_made_ >= kMaxBlocks) {  // (a long sweep of models: the old ones' blocks go)
-    blocks_.clear();
-    making_at_.clear();
-    blocks_made_ = 0;
-  }
-  ++making_at_[Where{site.user, site.user_lasti}].unused;
+  ++making.unused;
   rec_ = Recording{};
   rec_.site = Where{site.user, site.user_lasti};
   rec_.block.path = path_;
