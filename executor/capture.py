@@ -20,7 +20,9 @@ worker catches up and every placeholder still alive becomes its value in place.
 A plain ``loss.backward()`` whose step ran the same ops as a step before does not run the autograd
 engine: the ops the engine issued then (a gradient block, ``native/capture_blocks.h``) go to the
 worker directly, and each leaf's ``.grad`` is bound as the engine bound it; hooks, Python
-``autograd.Function`` s and checkpointing run the engine.
+``autograd.Function`` s and checkpointing run the engine. ``torch.autograd.grad(loss, params)``
+(and so ``GradientTape.gradient``) is answered the same way, its gradients placeholders of the
+block's values.
 
 Python code that reads a tensor's memory without an ATen op (``numpy()``, ``tolist()``,
 ``data_ptr()``, storages, DLPack, printing) waits for the value first: those methods of
@@ -208,6 +210,8 @@ class _Waiting:
                 self.swaps.append((owner, name, original, self._wrap(original, False)))
         original = torch.autograd.backward
         self.swaps.append((torch.autograd, "backward", original, self._backward(original)))
+        original = torch.autograd.grad
+        self.swaps.append((torch.autograd, "grad", original, self._grad(original)))
 
     def _wrap(self, original: Callable, realize_first: bool) -> Callable:
         @functools.wraps(original)
@@ -249,22 +253,77 @@ class _Waiting:
                 return original(
                     tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs
                 )
-            c = self.capture
-            how = c.backward_begin(tensors)
-            if how == _REPLAYED:
-                return None
-            if how == _ENGINE:
-                return original(tensors)
-            ok, watch = False, PythonWatch()
-            try:
-                with watch:
-                    original(tensors)
-                ok = True
-            finally:  # (blind, under a profiler: no block now, the next step here tries again)
-                c.backward_end(ok, watch.seen or "", watch.blind)
+            self._run(tensors, (), True, lambda: original(tensors))
             return None
 
         return backward
+
+    def _grad(self, original: Callable) -> Callable:
+        """``torch.autograd.grad`` in a captured step: a plain ``grad(loss, leaves)`` (one scalar
+        output, leaves that require grad, no ``grad_outputs``, graph not kept) is answered by a
+        gradient block as ``backward()`` is, returning placeholders of the block's values."""
+
+        @functools.wraps(original)
+        def grad(
+            outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+            only_inputs=True, allow_unused=None, is_grads_batched=False, materialize_grads=False,
+        ):  # fmt: skip
+            loss = outputs
+            if isinstance(outputs, (tuple, list)) and len(outputs) == 1:
+                loss = outputs[0]
+            plain = (
+                isinstance(loss, torch.Tensor) and grad_outputs is None and not retain_graph
+                and not create_graph and only_inputs and not is_grads_batched
+                and not (materialize_grads and allow_unused is False)
+                and self.stepping_here() and not torch._C._are_functorch_transforms_active()
+            )  # fmt: skip
+            if plain:
+                inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+                if not isinstance(inputs, dict):  # (a dict's keys come back: the engine's way)
+                    inputs = tuple(inputs)  # (once: an iterator such as model.parameters())
+                    plain = bool(inputs) and all(
+                        type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in inputs
+                    ) and all(t.is_leaf and t.requires_grad for t in inputs)  # fmt: skip
+                else:
+                    plain = False
+            if not plain:
+                return original(
+                    outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
+                    allow_unused, is_grads_batched, materialize_grads,
+                )  # fmt: skip
+            allow_unused = materialize_grads if allow_unused is None else allow_unused
+            found = self._run(
+                loss, inputs, allow_unused, lambda: original(loss, inputs, allow_unused=allow_unused)
+            )
+            if materialize_grads:  # (as torch does it, after the engine)
+                found = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(found, inputs))
+            return found
+
+        return grad
+
+    def _run(
+        self,
+        loss: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
+        allow_unused: bool,
+        engine: Callable[[], tuple[torch.Tensor | None, ...] | None],
+    ) -> tuple[torch.Tensor | None, ...] | None:
+        """A plain backward (no ``inputs``) or grad: replayed as a block, or ``engine()`` run
+        (watched, its ops made a block, the first time at a path)."""
+        c = self.capture
+        how = c.backward_begin(loss, inputs, allow_unused)
+        if how == _REPLAYED:
+            return tuple(c.take_grads()) if inputs else None
+        if how == _ENGINE:
+            return engine()
+        ok, watch, found = False, PythonWatch(), None
+        try:
+            with watch:
+                found = engine()
+            ok = True
+        finally:  # (blind, under a profiler: no block now, the next step here tries again)
+            c.backward_end(ok, watch.seen or "", watch.blind, found or ())
+        return found
 
     def put(self, c) -> None:
         """The wrappers in place for a step of ``c`` in this thread."""

@@ -238,15 +238,21 @@ class Capture {
 
   // -- gradient blocks (capture_blocks.h) --
 
-  // A plain ``loss.backward()`` in the step: kReplayed (a block did it), kEngine (run the
-  // engine; backward_why says why), or kRecord (run the engine, then call backward_end: its ops
-  // become a block).
-  int backward_begin(const at::Tensor& loss);
+  // A plain ``loss.backward()`` in the step (no `inputs`), or a plain
+  // ``torch.autograd.grad(loss, inputs, allow_unused=...)`` for leaves `inputs`: kReplayed (a
+  // block did it; take_grads() has grad()'s gradients), kEngine (run the engine; backward_why
+  // says why), or kRecord (run the engine, then call backward_end: its ops become a block).
+  int backward_begin(const at::Tensor& loss, const std::vector<at::Tensor>& inputs, bool allow_unused);
 
   // The engine ran for a kRecord (ok: without an error; `python`: Python it saw run inside the
   // engine, if any; `again`: the block could not be watched for it this time (a profiler was
-  // active), so none is kept and the next step at this path tries again).
-  void backward_end(bool ok, const std::string& python, bool again);
+  // active), so none is kept and the next step at this path tries again; `results`: grad()'s
+  // gradients, per input).
+  void backward_end(bool ok, const std::string& python, bool again,
+                    const std::vector<std::optional<at::Tensor>>& results);
+
+  // The gradients a replayed grad() returns, per input (None: the input was not reached).
+  std::vector<std::optional<at::Tensor>> take_grads() { return std::move(grads_); }
 
   // Why the latest backward() ran the engine ("" if a block answered it).
   const std::string& backward_why() const { return backward_why_; }
@@ -334,6 +340,7 @@ class Capture {
   uint64_t next_block_ = 1;
   int64_t replayed_ = 0, backwards_ = 0;
   std::string backward_why_;
+  std::vector<std::optional<at::Tensor>> grads_;  // (take_grads)
   struct Recording {
     Block block;
     size_t path_len = 0;
@@ -631,7 +638,7 @@ Capture::Place Capture::here() {
   return place;
 }
 
-int Capture::backward_begin(const at::Tensor& loss) {
+int Capture::backward_begin(const at::Tensor& loss, const std::vector<at::Tensor>& inputs, bool allow_unused) {
   ++backwards_;
   auto engine = [this](std::string why) {
     backward_why_ = std::move(why);
@@ -648,17 +655,30 @@ int Capture::backward_begin(const at::Tensor& loss) {
     ~Forget() { walker.forget(); }
   } forget{walker_};
   if (!w.why_not.empty()) return engine(w.why_not);
-  for (const at::Tensor& leaf : w.leaves)
-    if (leaf.grad().defined() && leaf.grad().layout() != c10::kStrided)
-      return engine("a leaf's .grad is not a strided tensor");
+  // grad(): per input, its leaf in the walk (the engine reads no leaf's .grad then)
+  std::vector<int32_t> leaf_of(inputs.size(), -1);
+  if (!inputs.empty()) {
+    std::unordered_map<const c10::TensorImpl*, int32_t> leaf_at;
+    for (size_t i = 0; i < w.leaves.size(); ++i) leaf_at.emplace(w.leaves[i].unsafeGetTensorImpl(), static_cast<int32_t>(i));
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const auto it = leaf_at.find(inputs[i].unsafeGetTensorImpl());
+      if (it != leaf_at.end()) leaf_of[i] = it->second;
+    }
+  } else {
+    for (const at::Tensor& leaf : w.leaves)
+      if (leaf.grad().defined() && leaf.grad().layout() != c10::kStrided)
+        return engine("a leaf's .grad is not a strided tensor");
+  }
   const Place site = here();
   const auto bucket = blocks_.find(path_hash_);
   for (Block& b : bucket != blocks_.end() ? bucket->second : no_blocks_) {
-    if (b.graph != w.digest || b.path != path_) continue;
+    if (b.graph != w.digest || b.path != path_ || b.inputs != leaf_of) continue;
     // (met again: worth its making, or its refusal; the blocks made at its line before it that
     // were not used are forgiven: a sweep's next model at one train() line makes its own)
     if (b.replays++ == 0) making_at_[b.site] = Making{};
     if (!b.why_not.empty()) return engine(b.why_not);
+    if (!allow_unused && b.results.size() < b.inputs.size())
+      return engine("an input is not reached and allow_unused is False (the engine raises)");
     std::string why = issue_block(b, w, site);
     if (!why.empty()) return engine(why);
     backward_why_.clear();
@@ -683,11 +703,12 @@ int Capture::backward_begin(const at::Tensor& loss) {
   rec_.site = Where{site.user, site.user_lasti};
   rec_.block.path = path_;
   rec_.block.graph = w.digest;
+  rec_.block.inputs = std::move(leaf_of);
   rec_.block.first_value = static_cast<uint32_t>(values_.size());
   rec_.path_len = path_.size();
   rec_.path_hash = path_hash_;
   rec_.first_outer = static_cast<uint32_t>(outers_.size());
-  rec_.leaves = w.leaves;
+  if (inputs.empty()) rec_.leaves = w.leaves;  // (grad() neither reads nor sets .grad)
   for (const at::Tensor& leaf : rec_.leaves) {
     rec_.grads_before.push_back(leaf.grad());
     rec_.block.grads.push_back(meta_of(leaf.grad()));
@@ -774,7 +795,8 @@ void Capture::record(const c10::OperatorHandle& op, const Entry& e, Args args, b
   b.ops.push_back(std::move(o));
 }
 
-void Capture::backward_end(bool ok, const std::string& python, bool again) {
+void Capture::backward_end(bool ok, const std::string& python, bool again,
+                           const std::vector<std::optional<at::Tensor>>& results) {
   if (!recording_) return;
   recording_ = false;
   // not watched (a profiler), or refused for an op new at its line: no block, nor counted; the
@@ -808,6 +830,17 @@ void Capture::backward_end(bool ok, const std::string& python, bool again) {
     }
     b.bindings.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(s->id - first_value_), meta_of(after)});
   }
+  for (size_t i = 0; i < results.size() && b.why_not.empty(); ++i) {
+    if (!results[i] || !results[i]->defined()) continue;
+    const at::Tensor& g = *results[i];
+    const Slot* s = is_ph(g) && g.layout() == c10::kStrided ? impl_of(g)->slot.get() : nullptr;
+    if (s == nullptr || s->id < first_value_ + b.first_value || s->id >= first_value_ + values_.size()) {
+      b.why_not = "a gradient it returns is not what the backward's ops made";
+      break;
+    }
+    b.results.push_back({static_cast<uint32_t>(i), static_cast<uint32_t>(s->id - first_value_), meta_of(g)});
+  }
+  if (b.why_not.empty() && results.size() != b.inputs.size()) b.why_not = "grad() returned another number of gradients";
   b.values = static_cast<uint32_t>(values_.size()) - b.first_value;
   if (b.why_not.empty()) {  // (the path goes on as a replay's will: the block in place of its ops)
     path_.resize(rec_.path_len);
@@ -828,8 +861,9 @@ void Capture::backward_end(bool ok, const std::string& python, bool again) {
 
 // Issue block `b` for this step (graph `w`), or say why not (nothing issued then).
 std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site) {
-  if (w.leaves.size() != b.grads.size()) return "the graph reaches other leaves than when its block was made";
-  for (size_t i = 0; i < w.leaves.size(); ++i) {
+  const bool grad = !b.inputs.empty();  // (torch.autograd.grad: no leaf's .grad is read)
+  if (!grad && w.leaves.size() != b.grads.size()) return "the graph reaches other leaves than when its block was made";
+  for (size_t i = 0; i < b.grads.size(); ++i) {
     const at::Tensor& g = w.leaves[i].grad();
     const TensorMeta& m = b.grads[i];
     if ((m.dtype == c10::ScalarType::Undefined) != !g.defined() || (g.defined() && !m.same(g)))
@@ -927,7 +961,14 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
   ops_ += static_cast<int64_t>(b.ops.size());
   for (const Binding& bd : b.bindings)
     w.leaves[bd.leaf].mutable_grad() = make_ph(bd.meta, new_values[bd.value - b.first_value]);
-  for (torch::autograd::Node* n : w.nodes) n->release_variables();  // (retain_graph=False)
+  grads_.assign(b.inputs.size(), std::nullopt);
+  for (const Binding& r : b.results) grads_[r.leaf] = make_ph(r.meta, new_values[r.value - b.first_value]);
+  // (retain_graph=False: the nodes the engine would have run let go of what they saved)
+  if (grad) {
+    for (torch::autograd::Node* n : walker_.needed(b.inputs)) n->release_variables();
+  } else {
+    for (torch::autograd::Node* n : w.nodes) n->release_variables();
+  }
   extend_path(mix(0xB10C, b.id));
   ++replayed_;
   if (worker_->buried() > kBuriedBeforeExhume) worker_->exhume();
@@ -1085,6 +1126,7 @@ void bind_capture(py::module_& m) {
       .def("replay", &Capture::replay)
       .def("backward_begin", &Capture::backward_begin)
       .def("backward_end", &Capture::backward_end)
+      .def("take_grads", &Capture::take_grads)
       .def_property_readonly("backward_why", &Capture::backward_why)
       .def_property_readonly("stepping", &Capture::stepping)
       .def_property_readonly("counters", &Capture::counters)

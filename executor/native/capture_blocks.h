@@ -25,6 +25,7 @@
 #include <memory>
 #include <string>
 #include <typeinfo>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -72,9 +73,10 @@ struct BlockOp {
   }
 };
 
-// A leaf's ``.grad`` bound to a value the block made (AccumulateGrad stole or cloned it).
+// A leaf's ``.grad`` bound to a value the block made (AccumulateGrad stole or cloned it), or, for
+// ``torch.autograd.grad``, the gradient it returns for an input.
 struct Binding {
-  uint32_t leaf;
+  uint32_t leaf;  // the leaf of the graph walk (backward), the input's number (grad)
   uint32_t value;  // the step's placeholder number (kStep)
   TensorMeta meta;
 };
@@ -92,8 +94,12 @@ struct Block {
   std::vector<at::Tensor> consts;
   std::vector<TensorMeta> fresh;
   std::vector<Binding> bindings;
-  // per leaf of the graph: its ``.grad`` when the block was made (undefined: none)
+  // per leaf of the graph: its ``.grad`` when the block was made (undefined: none); backward only
   std::vector<TensorMeta> grads;
+  // ``torch.autograd.grad``: per input, its leaf in the graph walk (-1: not reached); the
+  // gradients it returns are `results` (an input without one gets None). Empty for backward().
+  std::vector<int32_t> inputs;
+  std::vector<Binding> results;
 };
 
 // The autograd graph a backward from `root` runs, as the engine would find it.
@@ -101,6 +107,9 @@ struct GraphWalk {
   uint64_t digest = 0;  // the nodes' kinds and edges, in the walk's order
   std::vector<torch::autograd::Node*> nodes;
   std::vector<at::Tensor> leaves;  // the AccumulateGrad nodes' variables, in the walk's order
+  std::vector<uint32_t> leaf_nodes;  // per leaf, its AccumulateGrad's number in `nodes`
+  std::vector<uint32_t> edge_begin;  // per node: where its edges begin in `edges`
+  std::vector<torch::autograd::Node*> edges;  // the nodes each node's next edges lead to
   std::string why_not;              // not empty: Python runs in this backward, or a hook does
 };
 
@@ -113,6 +122,9 @@ class GraphWalker {
     w_.digest = 0;
     w_.nodes.clear();
     w_.leaves.clear();
+    w_.leaf_nodes.clear();
+    w_.edge_begin.clear();
+    w_.edges.clear();
     w_.why_not.clear();
     seen_.assign(std::max<size_t>(64, seen_.size()), nullptr);
     count_ = 0;
@@ -143,22 +155,62 @@ class GraphWalker {
         }
         h = mix(h, 0xACC + w_.leaves.size());
         w_.leaves.push_back(leaf);
+        w_.leaf_nodes.push_back(static_cast<uint32_t>(w_.nodes.size() - 1));
       }
       const auto& edges = n->next_edges();
       h = mix(h, edges.size());
+      w_.edge_begin.push_back(static_cast<uint32_t>(w_.edges.size()));
       for (const auto& e : edges) {
         h = mix(h, e.function ? e.input_nr + 1 : 0);
-        if (e.function) todo_.push_back(e.function.get());
+        if (e.function) {
+          todo_.push_back(e.function.get());
+          w_.edges.push_back(e.function.get());
+        }
       }
     }
     w_.digest = h;
     return w_;
   }
 
+  // The nodes of the last walk a ``torch.autograd.grad`` for its leaves `inputs` (-1: one not
+  // reached) executes, as the engine finds them (GraphTask::init_to_execute): those with a path
+  // to an input's AccumulateGrad, which itself only hands its gradient back.
+  std::vector<torch::autograd::Node*> needed(const std::vector<int32_t>& inputs) const {
+    const size_t n = w_.nodes.size();
+    std::unordered_map<const torch::autograd::Node*, uint32_t> index;
+    index.reserve(n);
+    for (size_t i = 0; i < n; ++i) index.emplace(w_.nodes[i], static_cast<uint32_t>(i));
+    std::vector<std::vector<uint32_t>> into(n);  // the edges reversed
+    for (size_t i = 0; i < n; ++i) {
+      const size_t end = i + 1 < n ? w_.edge_begin[i + 1] : w_.edges.size();
+      for (size_t k = w_.edge_begin[i]; k < end; ++k) into[index.at(w_.edges[k])].push_back(static_cast<uint32_t>(i));
+    }
+    std::vector<char> reached(n, 0);
+    std::vector<uint32_t> todo;
+    for (int32_t leaf : inputs)
+      if (leaf >= 0 && !reached[w_.leaf_nodes[leaf]]) {
+        reached[w_.leaf_nodes[leaf]] = 1;
+        todo.push_back(w_.leaf_nodes[leaf]);
+      }
+    std::vector<torch::autograd::Node*> out;
+    while (!todo.empty()) {
+      const uint32_t i = todo.back();
+      todo.pop_back();
+      for (uint32_t j : into[i])
+        if (!reached[j]) {
+          reached[j] = 1;
+          todo.push_back(j);
+          out.push_back(w_.nodes[j]);
+        }
+    }
+    return out;
+  }
+
   // Let go of the last walk's leaves (a model deleted after its last step is not kept alive).
   void forget() {
     w_.leaves.clear();
     w_.nodes.clear();
+    w_.edges.clear();
   }
 
  private:

@@ -80,11 +80,14 @@ def test_tape_gradient_is_bit_equal_to_eager() -> None:
 
     eager, captured = _state(), _state()
     tape = coexec.GradientTape(backend="native", key=("native", "gradient"))
-    for i in range(4):
+    blocks = []
+    for i in range(6):
         want = step(eager, i)
         with tape:
             got = step(captured, i, tape)
+        blocks.append(tape.stats.gradient_blocks)
         assert got.item() == want.item()
+    assert blocks[2:] == [1] * 4  # (its torch.autograd.grad answered by a gradient block)
     for a, b in zip(eager["model"].parameters(), captured["model"].parameters()):
         assert torch.equal(a, b) and torch.equal(a.grad, b.grad) and not is_placeholder(b.grad)
 

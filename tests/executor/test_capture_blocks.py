@@ -365,3 +365,117 @@ def test_a_model_deleted_after_its_steps_is_not_kept_alive() -> None:
     del model
     gc.collect()
     assert weight() is None
+
+
+# -- torch.autograd.grad --------------------------------------------------------------------
+
+
+def grad_step(s: State, i: int, inputs: Callable[[State], list[torch.Tensor]] | None = None) -> torch.Tensor:
+    """One step by ``torch.autograd.grad`` (the parameters' gradients set as ``.grad`` by hand,
+    where the optimizer finds them); an input the loss does not reach gets None."""
+    x, y = s.data[i % 4]
+    loss = F.mse_loss(s.model(x), y)
+    params = list(s.model.parameters()) if inputs is None else inputs(s)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    s.log.append([g is None for g in grads])
+    for p, g in zip(params, grads):
+        p.grad = g
+    s.opt.step()
+    return loss.detach()
+
+
+def test_grad_of_the_parameters_replays_its_block() -> None:
+    blocks, whys = run(grad_step, 6, opt="adam")
+    assert blocks == [0, 0, 1, 1, 1, 1]
+    assert whys[2:] == [""] * 4
+
+
+def test_grad_of_some_parameters_replays_and_keeps_the_rest_of_the_graph() -> None:
+    """``grad`` for the last layer runs only the nodes that lead to it (the engine's exec_info):
+    the first layers' nodes keep what they saved, so a second loss through them still has its
+    backward, as in eager; a parameter the loss does not reach gets None."""
+    unused = torch.nn.Parameter(torch.ones(2))
+
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        h = s.model[:2](x)
+        loss = F.mse_loss(s.model[2:](h), y)
+        last = list(s.model[2:].parameters())
+        grads = torch.autograd.grad(loss, [*last, unused], allow_unused=True)
+        s.log.append(grads[-1] is None)
+        # (through the first layers, which grad() did not run; an argument: the engine runs)
+        h.pow(2).mean().backward(torch.tensor(1.0))
+        for p, g in zip(last, grads):
+            p.grad = g
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 6)
+    assert blocks[2:] == [1] * 4
+
+
+def test_grad_materializes_unused_inputs_as_eager() -> None:
+    unused = torch.nn.Parameter(torch.ones(3))
+
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        loss = F.mse_loss(s.model(x), y)
+        grads = torch.autograd.grad(loss, [*s.model.parameters(), unused], materialize_grads=True)
+        s.log.append(grads[-1].clone())
+        for p, g in zip(s.model.parameters(), grads):
+            p.grad = g
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 5)
+    assert blocks[2:] == [1] * 3
+
+
+def test_grad_of_an_unused_input_raises_as_eager_after_a_block() -> None:
+    """A block made with ``allow_unused=True`` for an input it does not reach is not replayed for
+    a call with ``allow_unused=False``: the engine runs and raises its error."""
+    s = State()
+    unused = torch.nn.Parameter(torch.ones(3))
+    capture = Capture()
+    for i in range(3):
+        with capture.step():
+            grad_step(s, i, lambda s: [*s.model.parameters(), unused])
+    assert capture.counters.gradient_blocks == 1
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        with capture.step():
+            x, y = s.data[3]
+            torch.autograd.grad(F.mse_loss(s.model(x), y), [*s.model.parameters(), unused])
+    assert "allow_unused is False" in capture.backward_why
+
+
+def test_grad_with_arguments_or_of_a_non_leaf_runs_the_engine() -> None:
+    def step(s: State, i: int) -> torch.Tensor:
+        x, y = s.data[i % 4]
+        s.opt.zero_grad()
+        h = s.model[:2](x)
+        loss = F.mse_loss(s.model[2:](h), y)
+        (gh,) = torch.autograd.grad(loss, h, retain_graph=True)  # (a non-leaf input)
+        s.log.append(gh.clone())
+        grads = torch.autograd.grad(loss, list(s.model.parameters()), torch.tensor(0.5))
+        for p, g in zip(s.model.parameters(), grads):
+            p.grad = g
+        s.opt.step()
+        return loss.detach()
+
+    blocks, _ = run(step, 5)
+    assert blocks == [0] * 5
+
+
+def test_a_second_grad_through_a_replayed_graph_raises_as_eager() -> None:
+    s = State()
+    capture = Capture()
+    for i in range(4):
+        with capture.step():
+            x, y = s.data[i % 4]
+            loss = F.mse_loss(s.model(x), y)
+            torch.autograd.grad(loss, list(s.model.parameters()))
+            if i == 3:
+                assert capture.counters.gradient_blocks > 0
+                with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                    torch.autograd.grad(loss, list(s.model.parameters()))
