@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from executor import ExecutorDied, ExecutorError, ExecutorTimeout, RunAhead
+from executor import ExecutorDied, ExecutorError, ExecutorTimeout, RunAhead, native
 from planner import BudgetTooSmall, PathInput, Schedule, format_bytes, plan_program
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
@@ -39,6 +39,7 @@ from .causes import max_traces_message
 from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
 from .gradients import GradientBlocks, SavedTensors
+from .native_plans import NativeBudget
 from .skeleton import Session, Skeleton, raise_executor_error
 
 PHASES = ("tracing", "coexec", "eager")
@@ -125,6 +126,7 @@ class Program:
         self.block_index: BlockIndex | None = None  # its blocks, for the skeleton (coexec/blocks.py)
         self.arena_outs: dict = {}  # its arena placements per op (Session.arena_outs)
         self.gradient_blocks = GradientBlocks()  # its backward calls' blocks
+        self.native_budget: NativeBudget | None = None  # under a budget on the native backend
         self.budget: int | None = None
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
@@ -384,7 +386,7 @@ class GradientTape:
         named = self.key is not None
         key = ("key", self.key) if named else (id(frame.f_code), frame.f_lasti)
         if self.backend == "native":
-            self._step = _NativeStep(self._native_program(key, frame), self.debug)
+            self._step = _NativeStep(self._native_program(key, frame), self.debug, self.memory_budget)
             _local.tape = self
             return self
         fam = programs.family(key, named, frame.f_code, lambda: _describe(frame))
@@ -627,12 +629,13 @@ class _ProgramSkeleton(Skeleton):
 def _check_native_options(sync: str, arena: bool | None, memory_budget: Any, offload: bool | None) -> None:
     """The options the native backend cannot honour yet say so, rather than being ignored."""
     unplanned = "the native backend does not follow plans yet (issue 16); backend='interpret' does"
-    if memory_budget is not None:
-        raise ValueError(f"memory_budget: {unplanned}")
     if arena:
         raise ValueError(f"arena=True: {unplanned}")
     if offload:
-        raise ValueError(f"offload=True: {unplanned}")
+        raise ValueError(
+            "offload=True: the native backend meets a memory budget by recomputation only for now; "
+            "backend='interpret' offloads"
+        )
     if sync != "step":
         raise ValueError("sync='none': a native-backend step always ends with its values computed")
 
@@ -644,7 +647,7 @@ class _NativeStep:
     why = None  # (it never falls back: an op the capture cannot answer runs at once)
     rec = None
 
-    def __init__(self, program: Program, debug: bool = False) -> None:
+    def __init__(self, program: Program, debug: bool = False, budget: int | None = None) -> None:
         self.program = program
         self.debug = debug
         self.capture = runtime.capture()
@@ -652,7 +655,17 @@ class _NativeStep:
         self.t0 = time.perf_counter()
         self.c0 = None
         self.scope = None
+        self.budget: NativeBudget | None = None
         if self.capture is not None:
+            if budget is not None:  # (raises BudgetTooSmall before the step runs)
+                if program.native_budget is None or program.native_budget.budget != budget:
+                    program.native_budget = NativeBudget(budget)
+                self.budget = program.native_budget
+                for line in self.budget.before(self.capture, native.wait()):
+                    if debug and line:
+                        _log(program, line)
+            else:
+                self.capture.follow(None)
             self.c0 = self.capture.counters
             self.scope = self.capture.step()
             self.scope.__enter__()
@@ -668,6 +681,8 @@ class _NativeStep:
                     self.scope.__exit__(type(error), error, error.__traceback__)
         finally:
             self._count()
+            if self.budget is not None and error is None:
+                self.budget.after(self.capture, native.wait(), self.program.stats)
 
     def _count(self) -> None:
         s = self.program.stats

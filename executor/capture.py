@@ -48,6 +48,7 @@ import torch
 
 from executor import native
 from executor.engine_watch import PythonWatch
+from executor.step_plans import DescribedOp, DropPlan, StepDescription
 from executor.tracebacks import traceback_through
 
 Mode = Literal["async", "replay", "tape"]
@@ -73,6 +74,8 @@ class CaptureCounters(NamedTuple):
     worker_seconds: float  # the worker running ops
     gradient_blocks: int  # ``backward()`` calls a gradient block answered (no autograd engine)
     backward_calls: int  # plain ``loss.backward()`` calls in captured steps (a block may answer)
+    dropped: int  # values a memory plan dropped (:meth:`Capture.follow`)
+    remade: int  # dropped values made again (read after their drop)
 
 
 class Capture:
@@ -93,6 +96,7 @@ class Capture:
             )
         self._native = built
         self._c = built.Capture(mode, torch.get_num_threads(), _internal_dirs())
+        self._following: DropPlan | None = None
 
     def step(self) -> _CapturedStep:
         """Capture the ops this thread runs inside the ``with`` block."""
@@ -104,11 +108,43 @@ class Capture:
 
     @property
     def counters(self) -> CaptureCounters:
-        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls = self._c.counters
+        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls, dropped, remade = (
+            self._c.counters
+        )
         return CaptureCounters(
             ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9, blocks,
-            calls,
+            calls, dropped, remade,
         )  # fmt: skip
+
+    def describe_next(self) -> None:
+        """Describe the next step (it follows no memory plan): :meth:`description` after it."""
+        self._c.describe_next()
+
+    def description(self) -> StepDescription:
+        """The last described step."""
+        ops, nbytes, existed, fetched, released, alive = self._c.description()
+        described = tuple(
+            DescribedOp(p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)))
+            for p, name, op_id, ns, once, rnd, r, w, m, v in ops
+        )
+        return StepDescription(
+            described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive)
+        )
+
+    def follow(self, plan: DropPlan | None) -> None:
+        """Follow ``plan`` from the next step on (None: no plan)."""
+        if plan is self._following:  # (asked before every step: the same plan costs nothing)
+            return
+        self._following = plan
+        if plan is None:
+            self._c.clear_drops()
+        else:
+            self._c.set_drops(list(plan.ops), sorted(plan.keep), sorted(plan.after.items()))
+
+    @property
+    def followed(self) -> bool:
+        """Did the last step follow its memory plan to its end?"""
+        return self._c.followed
 
     @property
     def backward_why(self) -> str:

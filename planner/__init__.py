@@ -10,18 +10,21 @@ The public API is what this module exports; the submodules are the planner's own
 """
 
 from .errors import BudgetTooSmall, InvalidPlan, format_bytes
-from .graph import EAGER, ESCAPING, LOCAL, PERSISTENT, Execution, OpNode, PlanningGraph, Storage
+from .graph import (
+    EAGER, ESCAPING, LOCAL, PERSISTENT, Access, Execution, OpNode, PlanningGraph, Storage, StorageFacts,
+)  # fmt: skip
 from .schedule import Bandwidth
 from .plan import Plan, plan_graph
 from .program import PathInput, Settings, plan_program
 from .schedule import (
     AfterOp, Block, BlockKey, Drop, Offload, PathPlan, Prefetch, Schedule, Site, StorageKey, WaitOffload,
 )  # fmt: skip
+from .remat import RematPlan, plan_remat
 from .simulate import Replay, lifetimes, replay
 
 __all__ = [
-    "AfterOp", "Bandwidth", "Block", "BlockKey", "BudgetTooSmall", "Drop", "EAGER", "ESCAPING",
+    "Access", "StorageFacts", "AfterOp", "Bandwidth", "Block", "BlockKey", "BudgetTooSmall", "Drop", "EAGER", "ESCAPING",
     "Execution", "InvalidPlan", "LOCAL", "Offload", "OpNode", "PERSISTENT", "PathInput", "PathPlan",
-    "Plan", "PlanningGraph", "Prefetch", "Replay", "Schedule", "Settings", "Site", "Storage",
+    "Plan", "PlanningGraph", "RematPlan", "plan_remat", "Prefetch", "Replay", "Schedule", "Settings", "Site", "Storage",
     "StorageKey", "WaitOffload", "format_bytes", "lifetimes", "plan_graph", "plan_program", "replay",
 ]  # fmt: skip

@@ -30,6 +30,29 @@ from tracegraph.schema import schema_of
 PERSISTENT, ESCAPING, LOCAL = "persistent", "escaping", "local"
 
 
+class Access(NamedTuple):
+    """One op of a step as an executor saw it run: the storages it read, wrote and made, by
+    number (:meth:`PlanningGraph.from_accesses`)."""
+
+    name: str
+    seconds: float
+    reads: tuple[int, ...]
+    writes: tuple[int, ...]  # existing storages it mutates
+    makes: tuple[int, ...]  # storages it returned that no op before it touched (it allocated them)
+    random: bool = False
+    fetch: bool = False  # Python read its inputs (its result is a Python value)
+
+
+class StorageFacts(NamedTuple):
+    """What an executor knows of one storage of a step (:meth:`PlanningGraph.from_accesses`)."""
+
+    nbytes: int
+    existed: bool  # before the step: persistent
+    released: int | None = None  # the position through which the program held it (None: unknown)
+    alive_at_end: bool = False
+    fetched: bool = False  # Python read its data
+
+
 class Execution(NamedTuple):
     """How the executor runs a path, which decides when a value Python let go of is freed
     (the simulator, ``planner.simulate.needed_at``, is the one statement of the rule).
@@ -213,6 +236,68 @@ class PlanningGraph:
         g = cls(ops, storages, preds, sync_points(trace), execution)
         g._add_fetch_barriers(trace)
         return g
+
+    @classmethod
+    def from_accesses(
+        cls, ops: Sequence[Access], storages: Sequence[StorageFacts], execution: Execution = EAGER
+    ) -> PlanningGraph:
+        """A graph from what an executor saw a step's ops touch (a step captured elsewhere than
+        a trace: ``executor/capture.py``'s described steps), ops in issue order, storages by
+        their number. The edges are the storages': each op after the last write of what it
+        reads, each write after the reads and the write before it, random ops in order."""
+        nodes = [OpNode(j, a.name, a.seconds, random=a.random) for j, a in enumerate(ops)]
+        made_by: dict[int, int] = {}
+        for j, a in enumerate(ops):
+            for sid in a.makes:
+                made_by.setdefault(sid, j)
+        table: dict[int, Storage] = {}
+        for sid, f in enumerate(storages):
+            if f.existed or sid not in made_by:
+                table[sid] = Storage(sid, f.nbytes, PERSISTENT, None)
+            else:
+                kind = ESCAPING if f.alive_at_end else LOCAL
+                table[sid] = Storage(sid, f.nbytes, kind, made_by[sid], release=f.released, fetched=f.fetched)
+        preds: list[set[int]] = [set() for _ in ops]
+        last_write: dict[int, int] = {}
+        reads_since: dict[int, list[int]] = {}
+        last_random = None
+        for j, a in enumerate(ops):
+            node = nodes[j]
+            made = [sid for sid in a.makes if made_by.get(sid) == j]
+            written = set(a.writes) | (set(a.makes) - set(made))
+            read = set(a.reads) - written
+            for sid in read:
+                if sid in last_write:
+                    preds[j].add(last_write[sid])
+                reads_since.setdefault(sid, []).append(j)
+            for sid in written:
+                preds[j].update(reads_since.get(sid, ()))
+                if sid in last_write:
+                    preds[j].add(last_write[sid])
+                last_write[sid] = j
+                reads_since[sid] = []
+            for sid in made:
+                last_write[sid] = j
+                reads_since[sid] = []
+            if a.random:
+                if last_random is not None:
+                    preds[j].add(last_random)
+                last_random = j
+            node.allocates = made
+            node.uses = sorted(read | written | set(made))
+            node.writes = sorted(written)
+            for sid in node.uses:
+                table[sid].uses.append(j)
+                if a.fetch:
+                    table[sid].fetched = True
+            node.gradient_update = any(table[s].kind == PERSISTENT for s in written) and any(
+                table[s].kind != PERSISTENT for s in read
+            )
+            preds[j].discard(j)
+        for st in table.values():
+            if st.release is not None and st.kind == LOCAL:
+                st.release = max(st.release, st.uses[-1] if st.uses else 0)
+        return cls(nodes, table, preds, (0,), execution)
 
     def _add_fetch_barriers(self, trace: Trace) -> None:
         """Ops issued after Python read a value run after the op that made it (Terra's control

@@ -170,6 +170,16 @@ class Capture {
     path_.clear();
     path_hash_ = 0;
     first_value_ = next_value_;
+    describing_ = describe_next_ && worker_ != nullptr;
+    describe_next_ = false;
+    if (describing_) {
+      std::lock_guard<std::mutex> g(g_released_mu);
+      g_released.clear();
+      alive_.clear();
+      g_issued.store(0);
+    }
+    g_describing.store(describing_);
+    if (worker_) worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_);
     saved_hooks_ = false;
     missed_ = false;
     recording_ = false;
@@ -210,6 +220,7 @@ class Capture {
   // ``rand`` fills an ``empty`` made at once), and a placeholder becomes its value in place.
   void realize(const at::Tensor& t) {
     wait();
+    if (is_ph(t) && describing_ && impl_of(t)->slot) worker_->last_log().fetched.push_back(impl_of(t)->slot->id);
     if (is_ph(t)) impl_of(t)->realize();
   }
 
@@ -233,7 +244,8 @@ class Capture {
   // plain backward() calls in all
   py::tuple counters() const {
     return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
-                          worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_);
+                          worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_,
+                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load());
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -256,6 +268,64 @@ class Capture {
 
   // Why the latest backward() ran the engine ("" if a block answered it).
   const std::string& backward_why() const { return backward_why_; }
+
+  // -- memory plans (capture_worker.h: StepLog, Drops) --
+
+  // The next step is described (it follows no plan): description() after it.
+  void describe_next() { describe_next_ = true; }
+
+  // The last described step: (ops, storage bytes, storages that existed before it, values Python
+  // read, (value, ops issued when the program let go of it), values alive at its end). Per op:
+  // (place, name, op id, ns, ran at once, random, storages read, written, made, (value, storage)
+  // per placeholder made). Values are numbered from 0 in the step.
+  py::tuple description() {
+    TORCH_CHECK(worker_ != nullptr, "coexec: only an 'async' capture describes steps");
+    const StepLog& log = worker_->last_log();
+    const uint64_t first = first_value_;
+    const auto rel = [first](uint64_t id) { return static_cast<int64_t>(id) - static_cast<int64_t>(first); };
+    py::list ops;
+    for (const LoggedOp& o : log.ops) {
+      py::list values;
+      for (const auto& [id, sid] : o.values) values.append(py::make_tuple(rel(id), sid));
+      const auto& name = o.op->schema().operator_name();
+      ops.append(py::make_tuple(o.index, name.name + (name.overload_name.empty() ? "" : "." + name.overload_name),
+                                reinterpret_cast<int64_t>(o.op), o.ns, o.at_once, o.random, o.reads, o.writes,
+                                o.makes, values));
+    }
+    py::list fetched, released, alive;
+    for (uint64_t id : log.fetched)
+      if (id >= first) fetched.append(rel(id));
+    {
+      std::lock_guard<std::mutex> g(g_released_mu);
+      for (const auto& [id, at] : g_released)
+        if (id >= first) released.append(py::make_tuple(rel(id), at));
+    }
+    for (uint64_t id : alive_)
+      if (id >= first) alive.append(rel(id));
+    return py::make_tuple(ops, log.nbytes, log.before, fetched, released, alive);
+  }
+
+  // Follow this memory plan from the next step on (see Drops): per place the op id expected
+  // there (0: an op that ran at once), the values whose producers are kept, and per place the
+  // values dropped after it.
+  void set_drops(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
+                 const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after) {
+    auto d = std::make_shared<Drops>();
+    for (int64_t id : ops) d->ops.push_back(reinterpret_cast<const c10::OperatorHandle*>(id));
+    for (int64_t n : keep) {
+      if (n < 0) continue;
+      if (static_cast<size_t>(n) >= d->keep.size()) d->keep.resize(n + 1, 0);
+      d->keep[n] = 1;
+    }
+    d->after = after;
+    std::sort(d->after.begin(), d->after.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    drops_ = std::move(d);
+  }
+
+  void clear_drops() { drops_.reset(); }
+
+  // Did the last step follow its memory plan to its end (false: it met another op first, or had none)?
+  bool followed() const { return followed_; }
 
   bool stepping() const { return g_active.load() == this; }
 
@@ -341,6 +411,10 @@ class Capture {
   int64_t replayed_ = 0, backwards_ = 0;
   std::string backward_why_;
   std::vector<std::optional<at::Tensor>> grads_;  // (take_grads)
+  // memory plans
+  std::shared_ptr<const Drops> drops_;
+  bool describe_next_ = false, describing_ = false, followed_ = false;
+  std::vector<uint64_t> alive_;  // (described) values Python held at the step's end
   struct Recording {
     Block block;
     size_t path_len = 0;
@@ -416,6 +490,9 @@ class Capture {
     set_included(included_before_);
     paused_ = 0;
     recording_ = false;
+    if (describing_)  // (the values Python still holds, before the list goes)
+      for (const auto& w : values_)
+        if (auto v = w.lock(); v && v->holders > 0) alive_.push_back(v->id);
     values_.clear();
     outer_ids_.clear();
     outers_.clear();
@@ -431,6 +508,11 @@ class Capture {
     g_live.take_all([realize](PlaceholderImpl* p) {
       if (realize) p->realize();
     });
+    if (worker_) {
+      followed_ = worker_->followed();
+      worker_->end_step();
+    }
+    g_describing.store(false);
     if (mode_ == Mode::kTape) tape_.clear();
   }
 
@@ -506,6 +588,7 @@ class Capture {
     }
     if (place.code != nullptr) k.where = Where{place.code, place.lasti};
     places_.push_back(place);
+    if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
     auto& seen = seen_[k.where];
     if (seen.second != steps_) seen = {0, steps_};
     k.nth = seen.first++;
@@ -626,7 +709,18 @@ void Capture::run_at_once(const c10::OperatorHandle& op, Args args, torch::jit::
   ++run_now_;
   drain();
   raise_failure();
+  StepLog* log = describing_ && worker_ ? worker_->log() : nullptr;
+  if (log == nullptr) {
+    run_on_values(op, args, stack, included_before_);
+    return;
+  }
+  torch::jit::Stack real;
+  for (const c10::IValue& a : args) real.push_back(map_tensors(a, real_of));
+  log->start(op, static_cast<int64_t>(places_.size()) - 1, real, true);
+  const auto t0 = std::chrono::steady_clock::now();
   run_on_values(op, args, stack, included_before_);
+  torch::jit::Stack out(stack->end() - op.schema().returns().size(), stack->end());
+  log->finish(out, {}, ns_since(t0));
 }
 
 // -- gradient blocks (capture_blocks.h) --------------------------------------------------------
@@ -923,6 +1017,7 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
     e.grad_mode = o.grad_mode;
     e.index = static_cast<int64_t>(places_.size());
     places_.push_back(site);
+    if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
     for (size_t i = 0; i < o.args.size(); ++i) {
       const auto [rb, re] = o.refs_of(i);
       e.arg_slots.push_back(static_cast<uint32_t>(e.slots.size()));
@@ -963,12 +1058,15 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
     w.leaves[bd.leaf].mutable_grad() = make_ph(bd.meta, new_values[bd.value - b.first_value]);
   grads_.assign(b.inputs.size(), std::nullopt);
   for (const Binding& r : b.results) grads_[r.leaf] = make_ph(r.meta, new_values[r.value - b.first_value]);
-  // (retain_graph=False: the nodes the engine would have run let go of what they saved)
+  // (retain_graph=False: the nodes the engine would have run let go of what they saved; the
+  // engine would have, node by node, as it ran them: described, each at its last use, -1)
+  if (describing_) g_issued.store(-1, std::memory_order_relaxed);
   if (grad) {
     for (torch::autograd::Node* n : walker_.needed(b.inputs)) n->release_variables();
   } else {
     for (torch::autograd::Node* n : w.nodes) n->release_variables();
   }
+  if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
   extend_path(mix(0xB10C, b.id));
   ++replayed_;
   if (worker_->buried() > kBuriedBeforeExhume) worker_->exhume();
@@ -1127,6 +1225,11 @@ void bind_capture(py::module_& m) {
       .def("backward_begin", &Capture::backward_begin)
       .def("backward_end", &Capture::backward_end)
       .def("take_grads", &Capture::take_grads)
+      .def("describe_next", &Capture::describe_next)
+      .def("description", &Capture::description)
+      .def("set_drops", &Capture::set_drops)
+      .def("clear_drops", &Capture::clear_drops)
+      .def_property_readonly("followed", &Capture::followed)
       .def_property_readonly("backward_why", &Capture::backward_why)
       .def_property_readonly("stepping", &Capture::stepping)
       .def_property_readonly("counters", &Capture::counters)

@@ -32,10 +32,25 @@ constexpr auto kKey = c10::DispatchKey::PrivateUse3;
 
 // -- placeholders ----------------------------------------------------------------------------
 
+struct Recipe;  // (capture_worker.h) the op that made a value, kept so that it can be made again
+
 struct Slot {
-  at::Tensor real;  // the value, once computed
+  at::Tensor real;  // the value, once computed (empty again while dropped: `recipe` remakes it)
   uint64_t id = 0;  // its number among the capture's placeholders (capture_blocks.h; 0: none)
+  int32_t holders = 0;  // placeholders alive with this slot
+  // under a memory plan (capture_worker.h, Drops): how to make the value again once dropped
+  std::shared_ptr<Recipe> recipe;
 };
+
+// The slot's value, made again first if a memory plan dropped it (capture_worker.h).
+const at::Tensor& value_of(Slot& s);
+
+// While a step is described (capture_worker.h, StepLog): the step's op count when each value's
+// last placeholder died, by value number (the program let go of it then).
+std::atomic<bool> g_describing{false};
+std::atomic<int64_t> g_issued{0};  // ops the described step has issued so far
+std::mutex g_released_mu;
+std::vector<std::pair<uint64_t, int64_t>> g_released;
 
 // In the thread whose step is captured (async mode): the values its placeholders let go of last,
 // for the worker to let go of in turn (Capture::answer hands them over with the next op), so
@@ -58,7 +73,9 @@ struct PlaceholderImpl : c10::TensorImpl {
   bool live = false;
 
   PlaceholderImpl(caffe2::TypeMeta dtype, std::shared_ptr<Slot> s)
-      : TensorImpl(c10::DispatchKeySet(kKey), dtype, c10::Device(c10::kCPU)), slot(std::move(s)) {}
+      : TensorImpl(c10::DispatchKeySet(kKey), dtype, c10::Device(c10::kCPU)), slot(std::move(s)) {
+    if (slot) ++slot->holders;
+  }
 
   c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(const c10::VariableVersion& version,
                                                          bool allow_metadata_change) const override {
@@ -72,21 +89,42 @@ struct PlaceholderImpl : c10::TensorImpl {
 
   void shallow_copy_from(const c10::intrusive_ptr<TensorImpl>& impl) override {
     TensorImpl::shallow_copy_from(impl);
-    if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) slot = other->slot;
+    if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) {
+      let_go_of_slot();
+      slot = other->slot;
+      if (slot) ++slot->holders;
+    }
   }
 
-  ~PlaceholderImpl() override { gone(this); }
+  // (intrusive_ptr calls release_resources only where weak references remain: the destructor
+  // lets go of the slot in the other case)
+  ~PlaceholderImpl() override { retire(); }
 
   void release_resources() override {
+    retire();
+    TensorImpl::release_resources();
+  }
+
+  // Out of the live list, and the slot let go of; a value nothing else holds goes to the worker
+  // (t_trash). (use_count 1: nothing else holds the slot, and nothing can take it now; the fence
+  // orders the read of its value after the worker's last release of it, which wrote the value)
+  void retire() {
     gone(this);
-    // (use_count 1: nothing else holds the slot, and nothing can take it now; the fence orders
-    // the read of its value after the worker's last release of it, which wrote the value)
     if (t_trash != nullptr && slot && slot.use_count() == 1) {
       std::atomic_thread_fence(std::memory_order_acquire);
       if (slot->real.defined()) t_trash->push_back(std::move(slot->real));
     }
+    let_go_of_slot();
+  }
+
+  // This placeholder no longer holds its slot (described: the program let go of the value if
+  // it was the last).
+  void let_go_of_slot() {
+    if (slot && --slot->holders == 0 && g_describing.load(std::memory_order_relaxed) && slot->id != 0) {
+      std::lock_guard<std::mutex> g(g_released_mu);
+      g_released.emplace_back(slot->id, g_issued.load(std::memory_order_relaxed));
+    }
     slot.reset();
-    TensorImpl::release_resources();
   }
 
   // Take these sizes, strides and offset (an op that changed a written argument's metadata).
@@ -97,8 +135,9 @@ struct PlaceholderImpl : c10::TensorImpl {
 
   // Become the value: its storage, offset and dispatch keys. False: it has none (yet).
   bool realize() {
-    if (!key_set_.has(kKey) || !slot || !slot->real.defined()) return false;
-    const at::Tensor& r = slot->real;
+    if (!key_set_.has(kKey) || !slot) return false;
+    const at::Tensor& r = value_of(*slot);
+    if (!r.defined()) return false;
     storage_ = r.storage();
     storage_offset_ = r.storage_offset();
     storage_access_should_throw_ = false;
@@ -214,7 +253,7 @@ at::Tensor make_ph(const TensorMeta& m, std::shared_ptr<Slot> slot = nullptr) {
 at::Tensor real_of(const at::Tensor& t) {
   if (!is_ph(t)) return t;
   const auto& slot = impl_of(t)->slot;
-  TORCH_CHECK(slot && slot->real.defined(),
+  TORCH_CHECK(slot && value_of(*slot).defined(),
               "coexec: this tensor has no value: it comes from a captured step whose ops did not all run "
               "(an op failed, or the capture only taped them)");
   return slot->real;

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -96,7 +97,7 @@ struct TapeEntry {
     uint32_t k = begin;
     return map_tensors(args[i], [&](const at::Tensor& t) {
       const auto& s = slots[k++];
-      return s ? s->real : t;
+      return s ? value_of(*s) : t;
     });
   }
 
@@ -106,25 +107,166 @@ struct TapeEntry {
   }
 };
 
+// -- a described step: what each op read, wrote and made, for a memory plan ------------------
+// Storages are numbered in the order met (a view shares its base's); one first met as an input
+// existed before the step. The log holds them weakly: the StorageImpl's memory stays (so its
+// address is not reused within the step), its data goes when the program lets go of it.
+
+struct LoggedOp {
+  int64_t index = 0;  // the op's place in the step
+  const c10::OperatorHandle* op = nullptr;
+  int64_t ns = 0;
+  bool at_once = false;  // ran at once on the step's thread (its result read by Python)
+  bool random = false;   // draws from a generator
+  std::vector<int64_t> reads, writes, makes;  // storage numbers
+  std::vector<std::pair<uint64_t, int64_t>> values;  // per placeholder it made: (number, storage)
+};
+
+class StepLog {
+ public:
+  std::vector<LoggedOp> ops;
+  std::vector<int64_t> nbytes;   // per storage
+  std::vector<bool> before;      // per storage: it existed before the step
+  std::vector<uint64_t> fetched;  // numbers of the values Python read
+
+  void clear() {
+    ops.clear();
+    nbytes.clear();
+    before.clear();
+    fetched.clear();
+    ids_.clear();
+    held_.clear();
+  }
+
+  // Op `op` (place `index`) is about to run on the tensors of `stack` (its arguments).
+  void start(const c10::OperatorHandle& op, int64_t index, const torch::jit::Stack& stack, bool at_once) {
+    LoggedOp l;
+    l.index = index;
+    l.op = &op;
+    l.at_once = at_once;
+    l.random = op.hasTag(at::Tag::nondeterministic_seeded);
+    const auto& schema = op.schema();
+    for (size_t i = 0; i < stack.size() && i < schema.arguments().size(); ++i) {
+      const auto* alias = schema.arguments()[i].alias_info();
+      const bool written = alias != nullptr && alias->isWrite();
+      each_tensor(stack[i], [&](const at::Tensor& t) {
+        if (!t.defined() || !t.has_storage()) return;
+        (written ? l.writes : l.reads).push_back(storage(t, true));
+      });
+    }
+    ops.push_back(std::move(l));
+  }
+
+  // The op started last ran for `ns`, giving `out` (its returns on the stack), whose
+  // placeholders' slots are `slots` (per tensor returned, in order; null: none).
+  void finish(const torch::jit::Stack& out, const std::vector<const Slot*>& slots, int64_t ns) {
+    LoggedOp& l = ops.back();
+    l.ns = ns;
+    size_t k = 0;
+    const auto one = [&](const at::Tensor& t) {
+      const Slot* s = k < slots.size() ? slots[k] : nullptr;
+      ++k;
+      if (!t.defined() || !t.has_storage()) return;
+      const size_t known = nbytes.size();
+      const int64_t sid = storage(t, false);
+      if (static_cast<size_t>(sid) >= known) l.makes.push_back(sid);
+      if (s != nullptr && s->id != 0) l.values.emplace_back(s->id, sid);
+    };
+    for (const c10::IValue& r : out) each_tensor(r, one);
+  }
+
+ private:
+  std::unordered_map<const c10::StorageImpl*, int64_t> ids_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> held_;
+
+  int64_t storage(const at::Tensor& t, bool input) {
+    const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+    auto [it, fresh] = ids_.try_emplace(impl, static_cast<int64_t>(nbytes.size()));
+    if (fresh) {
+      nbytes.push_back(static_cast<int64_t>(t.storage().nbytes()));
+      before.push_back(input);
+      held_.emplace_back(t.storage().getWeakStorageImpl());
+    }
+    return it->second;
+  }
+};
+
+// -- memory plans: values dropped after an op and made again when next read -------------------
+
+// A memory plan for a path (made from a described step): per place, the op expected there (null:
+// one that ran at once), which values (by number in the step) keep the op that made them, and
+// after which place which of them are dropped. A step that meets another op than the plan's
+// stops following it there; what it dropped is made again when read, so a plan never changes a
+// value, only when memory is held.
+struct Drops {
+  std::vector<const c10::OperatorHandle*> ops;
+  std::vector<uint8_t> keep;  // per value number
+  std::vector<std::pair<int64_t, std::vector<uint32_t>>> after;  // (place, values), ascending
+};
+
+// The op that made a value, kept to make it again: the taped op, holding its inputs (not its
+// outputs: they hold it).
+struct Recipe {
+  TapeEntry entry;  // (its out_slots null: `outs` instead)
+  std::vector<std::weak_ptr<Slot>> outs;
+};
+
+std::atomic<int64_t> g_remade{0};  // values made again (in all)
+// On the worker: recipes used up there, whose arguments Python may hold too (a parameter): let
+// go of like a taped op's (Worker::bury), not on the worker, where that would take the GIL.
+thread_local std::vector<std::shared_ptr<Recipe>>* t_used_recipes = nullptr;
+
 // Run one taped op on real tensors (the caller is below autograd) and give its outputs' values to
-// their slots.
-void run_entry(const TapeEntry& e) {
+// their slots (`outs`: per tensor returned, its slot or null). `log`: the op is described in it.
+template <typename Out>
+void run_op(const TapeEntry& e, Out outs, StepLog* log) {
   c10::AutoGradMode grad(e.grad_mode);
   torch::jit::Stack stack;
   stack.reserve(e.args.size());
   for (size_t i = 0; i < e.args.size(); ++i) stack.push_back(e.real_arg(i));
+  const auto t0 = std::chrono::steady_clock::now();
+  if (log != nullptr) log->start(*e.op, e.index, stack, false);
   e.op->callBoxed(stack);
+  if (log != nullptr) {
+    std::vector<const Slot*> made;
+    for (size_t i = 0; i < e.out_slots.size(); ++i) made.push_back(e.out_slots[i].get());
+    log->finish(stack, made, ns_since(t0));
+  }
   for (size_t r = 0; r < e.out_begin.size(); ++r) {
     const auto [begin, end] = e.outs_of(r);
     if (begin == end) continue;
     if (stack[r].isTensorList()) {
       auto l = stack[r].toTensorVector();
-      for (uint32_t i = begin; i < end; ++i)
-        if (e.out_slots[i]) e.out_slots[i]->real = l[i - begin];
-    } else if (e.out_slots[begin]) {
-      e.out_slots[begin]->real = stack[r].toTensor();
+      for (uint32_t i = begin; i < end; ++i) outs(i, l[i - begin]);
+    } else {
+      outs(begin, stack[r].toTensor());
     }
   }
+}
+
+void run_entry(const TapeEntry& e, StepLog* log = nullptr) {
+  run_op(e, [&e](uint32_t i, const at::Tensor& t) {
+    if (e.out_slots[i]) e.out_slots[i]->real = t;
+  }, log);
+}
+
+const at::Tensor& value_of(Slot& s) {
+  if (s.real.defined() || !s.recipe) return s.real;
+  // (in either thread: the worker reading it, or the step's thread after the worker caught up)
+  std::shared_ptr<Recipe> r = s.recipe;
+  c10::impl::ExcludeDispatchKeyGuard no_capture(c10::DispatchKeySet(kKey));
+  at::AutoDispatchBelowADInplaceOrView below;
+  const TapeEntry& e = r->entry;
+  run_op(e, [&r](uint32_t i, const at::Tensor& t) {
+    auto o = r->outs[i].lock();
+    if (o && !o->real.defined()) {
+      o->real = t;
+      o->recipe.reset();  // (made again once: its inputs are let go of, as the plan counts)
+    }
+  }, nullptr);
+  g_remade.fetch_add(1, std::memory_order_relaxed);
+  if (t_used_recipes != nullptr) t_used_recipes->push_back(std::move(r));
+  return s.real;
 }
 
 std::string failure(const std::exception& e) {
@@ -187,6 +329,37 @@ class Worker {
   // nanoseconds the worker spent running ops
   int64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
 
+  // The next step's memory plan (null: none) and whether it is described, from the step's
+  // thread while the worker has nothing to run (before the step's first op is published).
+  void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value) {
+    drops_ = std::move(drops);
+    following_ = drops_ != nullptr;
+    next_drop_ = 0;
+    first_value_ = first_value;
+    kept_.clear();
+    readers_.clear();
+    describing_ = describe;
+    if (describe) log_.clear();
+  }
+
+  // The step ended (its live placeholders took their values): recipes let go of their inputs.
+  void end_step() {
+    for (auto& [n, w] : kept_)
+      if (auto s = w.lock()) s->recipe.reset();
+    kept_.clear();
+    readers_.clear();
+    drops_.reset();
+  }
+
+  // The described step's log: the worker's ops, and those the step's thread ran at once (both
+  // only while the worker has nothing to run).
+  StepLog* log() { return describing_ ? &log_ : nullptr; }
+  StepLog& last_log() { return log_; }
+
+  // Did the step follow its plan to the end? Values dropped so far.
+  bool followed() const { return following_; }
+  int64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+
   // Let go of the arguments Python holds too that the worker laid aside (bury): GIL held.
   void exhume() { grave_.exhume(); }
 
@@ -219,11 +392,129 @@ class Worker {
   std::string error_;
   Grave grave_;                   // arguments Python holds too, let go of under the GIL
   std::vector<at::Tensor> held_;  // (scratch for bury)
+  // the step's memory plan (Drops), as the worker follows it
+  std::shared_ptr<const Drops> drops_;
+  bool following_ = false;
+  size_t next_drop_ = 0;
+  uint64_t first_value_ = 0;
+  std::unordered_map<uint32_t, std::weak_ptr<Slot>> kept_;  // by value number: a value with a recipe
+  // what recipes read (a slot, a storage) -> the recipes: a write to it first makes a dropped value
+  // again, and makes the others values no plan may drop (their recipe would give another value)
+  std::unordered_multimap<const void*, std::weak_ptr<Recipe>> readers_;
+  std::atomic<int64_t> dropped_{0};
+  bool describing_ = false;
+  StepLog log_;
+  std::vector<std::shared_ptr<Recipe>> used_recipes_;  // (t_used_recipes)
   std::thread thread_;
+
+  // Before op `e` runs: what it writes is no longer what a recipe reads.
+  void guard_writes(const TapeEntry& e) {
+    if (readers_.empty()) return;
+    const auto& schema = e.op->schema();
+    for (size_t i = 0; i < e.args.size() && i < schema.arguments().size(); ++i) {
+      const auto* alias = schema.arguments()[i].alias_info();
+      if (alias == nullptr || !alias->isWrite()) continue;
+      const uint32_t begin = e.arg_slots[i];
+      const uint32_t end = i + 1 < e.arg_slots.size() ? e.arg_slots[i + 1] : static_cast<uint32_t>(e.slots.size());
+      if (begin < end) {
+        for (uint32_t k = begin; k < end; ++k)
+          if (e.slots[k]) {
+            Slot& w = *e.slots[k];
+            if (w.recipe) {  // (written: its recipe would make the value before the write)
+              if (!w.real.defined()) value_of(w);
+              used_recipes_.push_back(std::move(w.recipe));
+            }
+            unrecipe(e.slots[k].get());
+            if (e.slots[k]->real.defined()) unrecipe(e.slots[k]->real.storage().unsafeGetStorageImpl());
+          }
+      } else {
+        each_tensor(e.args[i], [this](const at::Tensor& t) {
+          if (t.defined() && t.has_storage()) unrecipe(t.storage().unsafeGetStorageImpl());
+        });
+      }
+    }
+  }
+
+  // `input` is about to change: every recipe that reads it makes its dropped values now, and
+  // its values can no longer be dropped.
+  void unrecipe(const void* input) {
+    auto [a, b] = readers_.equal_range(input);
+    if (a == b) return;
+    std::vector<std::shared_ptr<Recipe>> hit;
+    for (auto it = a; it != b; ++it)
+      if (auto r = it->second.lock()) hit.push_back(std::move(r));
+    readers_.erase(a, b);
+    for (auto& r : hit)
+      for (auto& w : r->outs)
+        if (auto o = w.lock()) {
+          if (!o->real.defined() && o->recipe) value_of(*o);
+          o->recipe.reset();
+        }
+    for (auto& r : hit) used_recipes_.push_back(std::move(r));  // (let go of in bury)
+  }
+
+  // After op `e` ran under a plan: its kept values get their recipe, and the values the plan
+  // drops after it are dropped.
+  void follow(const TapeEntry& e) {
+    const Drops& d = *drops_;
+    if (e.index < 0 || static_cast<size_t>(e.index) >= d.ops.size() || d.ops[e.index] != e.op) {
+      following_ = false;  // (another path: what was dropped is made again when read)
+      return;
+    }
+    std::shared_ptr<Recipe> recipe;
+    for (const auto& s : e.out_slots) {
+      if (!s || s->id < first_value_) continue;
+      const uint64_t n = s->id - first_value_;
+      if (n >= d.keep.size() || !d.keep[n] || e.op->hasTag(at::Tag::nondeterministic_seeded)) continue;
+      if (!recipe) recipe = recipe_of(e);
+      s->recipe = recipe;
+      kept_[static_cast<uint32_t>(n)] = s;
+    }
+    for (; next_drop_ < d.after.size() && d.after[next_drop_].first <= e.index; ++next_drop_)
+      for (uint32_t n : d.after[next_drop_].second) {
+        const auto it = kept_.find(n);
+        if (it == kept_.end()) continue;
+        const auto s = it->second.lock();
+        if (!s || !s->recipe || !s->real.defined()) continue;
+        s->real = at::Tensor();
+        dropped_.fetch_add(1, std::memory_order_relaxed);
+      }
+  }
+
+  std::shared_ptr<Recipe> recipe_of(const TapeEntry& e) {
+    auto r = std::make_shared<Recipe>();
+    TapeEntry& c = r->entry;
+    c.op = e.op;
+    c.grad_mode = e.grad_mode;
+    c.index = e.index;
+    c.args = e.args;
+    c.arg_slots = e.arg_slots;
+    c.slots = e.slots;
+    c.out_begin = e.out_begin;
+    c.out_slots.assign(e.out_slots.size(), nullptr);
+    for (const auto& s : e.out_slots) r->outs.emplace_back(s);
+    for (const auto& s : c.slots)
+      if (s) {
+        readers_.emplace(s.get(), r);
+        if (s->real.defined()) readers_.emplace(s->real.storage().unsafeGetStorageImpl(), r);
+      }
+    for (const c10::IValue& a : c.args)
+      each_tensor(a, [&](const at::Tensor& t) {
+        if (t.defined() && t.has_storage()) readers_.emplace(t.storage().unsafeGetStorageImpl(), r);
+      });
+    return r;
+  }
 
   // An op's arguments that Python holds too (parameters, a batch) are not let go of here but
   // by the skeleton, where it holds the GIL anyway (grave.h; Capture::locate exhumes).
   void bury(TapeEntry& e) {
+    for (auto& r : used_recipes_)  // (the last holder: its arguments go like the op's)
+      if (r.use_count() == 1)
+        for (c10::IValue& a : r->entry.args)
+          each_tensor(a, [this](const at::Tensor& t) {
+            if (python_holds(t)) held_.push_back(t);
+          });
+    used_recipes_.clear();
     for (at::Tensor& t : e.trash)  // (a value Python holds: an op that returned its input, lift_fresh)
       if (python_holds(t)) held_.push_back(std::move(t));
     for (c10::IValue& a : e.args) {
@@ -281,6 +572,7 @@ class Worker {
     // reduction's result depends on how many threads split it)
     at::set_num_threads(threads_);
     at::AutoDispatchBelowADInplaceOrView below;  // the skeleton did the autograd side
+    t_used_recipes = &used_recipes_;
     for (int64_t taken = 0;; ++taken) {
       await(published_, taken + 1, idle_, &napping_);
       TapeEntry& e = ring_[taken & (kRing - 1)];
@@ -288,7 +580,9 @@ class Worker {
       if (!failed_.load(std::memory_order_acquire)) {
         const auto t0 = std::chrono::steady_clock::now();
         try {
-          run_entry(e);
+          if (drops_) guard_writes(e);
+          run_entry(e, log());
+          if (drops_ && following_) follow(e);
           busy_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
         } catch (const std::exception& ex) {
           std::lock_guard<std::mutex> g(mu_);

@@ -249,7 +249,8 @@ def plan_remat(
     order: list[int] | None = None,
     time_limit: float = 30.0,
     bandwidth: Bandwidth | None = None,
+    banned: set = frozenset(),
 ) -> RematPlan:
-    """:func:`plan_remat_paths` for one graph."""
+    """:func:`plan_remat_paths` for one graph (``banned``: ops by index that may not be dropped)."""
     path = RematPath(g, list(range(len(g))) if order is None else order)
-    return plan_remat_paths([path], budget, time_limit, bandwidth=bandwidth)[0]
+    return plan_remat_paths([path], budget, time_limit, banned, bandwidth)[0]

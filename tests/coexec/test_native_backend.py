@@ -165,9 +165,11 @@ def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"memory_budget": "1GB"}, "memory_budget: the native backend does not follow plans yet"),
         ({"arena": True}, "arena=True: the native backend does not follow plans yet"),
-        ({"offload": True}, "offload=True: the native backend does not follow plans yet"),
+        (
+            {"memory_budget": "1GB", "offload": True},
+            "offload=True: the native backend meets a memory budget by recomputation only",
+        ),
         (
             {"sync": "none"},
             "sync='none': a native-backend step always ends with its values computed",

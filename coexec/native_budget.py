@@ -1,0 +1,97 @@
+"""Memory budgets on the native backend: a described step (``executor/capture.py``,
+:class:`~executor.step_plans.StepDescription`) planned by the planner's recomputation
+(:func:`planner.plan_remat`) into a :class:`~executor.step_plans.DropPlan` the capture's worker
+follows on the steps after it.
+
+The worker drops a value after the op the plan names and makes it again from its kept producer
+when it is next read (``native/capture_worker.h``), so a plan decides when memory is held, never
+a value: a step on another path stops following it, and a value read early is made early.
+Planned in issue order: the native backend runs ops as the skeleton issues them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from executor.step_plans import DropPlan, StepDescription
+from planner import Access, PlanningGraph, RematPlan, StorageFacts, plan_remat, replay
+
+
+@dataclass(frozen=True)
+class NativeBudgetPlan:
+    """A described step's memory plan and what the planner predicts of it."""
+
+    drops: DropPlan
+    budget: int
+    eager_peak: int  # bytes the described step held at its peak (the issue order, nothing dropped)
+    planned_peak: int  # with the plan
+    persistent_bytes: int  # of both: the storages that existed before the step
+    recomputed: int  # ops made again
+    extra_seconds: float  # their time
+    predicted_seconds: float  # the step's ops as the described step timed them, with the recomputation
+    method: str  # how the plan was found (planner.RematPlan.method)
+    planning_seconds: float
+
+
+class NotPlannable(ValueError):
+    """A described step the planner cannot take (it says why)."""
+
+
+def planning_graph(d: StepDescription) -> PlanningGraph:
+    """The described step as the planner sees it: ops in issue order, storages with their bytes
+    and how long the program held them (a value with no placeholder, an intermediate gradient of
+    a gradient block, is held to its last use)."""
+    if [o.place for o in d.ops] != list(range(len(d.ops))):
+        raise NotPlannable("the description misses ops (a step captured in another mode)")
+    held: dict[int, int] = {}  # storage -> the last place the program held a value of it
+    alive: set[int] = set()
+    fetched: set[int] = set()
+    for o in d.ops:
+        for value, sid in o.values:
+            if value in d.alive:
+                alive.add(sid)
+            if value in d.fetched:
+                fetched.add(sid)
+            at = d.released.get(value, -1)  # (-1: let go of at its last use: a gradient block's)
+            if at >= 0:
+                held[sid] = max(held.get(sid, -1), at - 1)
+        if o.at_once:  # (its tensors are Python's, not placeholders: none may be dropped)
+            fetched.update(o.reads)
+            alive.update(o.makes)
+    accesses = [
+        Access(o.name, o.seconds, o.reads, o.writes, o.makes, o.random, o.at_once) for o in d.ops
+    ]
+    facts = [
+        StorageFacts(nbytes, existed, held.get(sid), sid in alive, sid in fetched)
+        for sid, (nbytes, existed) in enumerate(zip(d.storage_bytes, d.existed))
+    ]
+    return PlanningGraph.from_accesses(accesses, facts)
+
+
+def plan_native_budget(d: StepDescription, budget: int, time_limit: float = 10.0) -> NativeBudgetPlan:
+    """The plan that keeps the described step's path within ``budget`` bytes (persistent state
+    included) at the least recomputation; raises :class:`planner.BudgetTooSmall` naming the
+    smallest budget a plan meets."""
+    g = planning_graph(d)
+    random = {j for j, o in enumerate(d.ops) if o.random}  # (the worker does not replay generators)
+    plan: RematPlan = plan_remat(g, budget, time_limit=time_limit, banned=random)
+    values_of: dict[int, list[int]] = {}
+    for o in d.ops:
+        for value, sid in o.values:
+            values_of.setdefault(sid, []).append(value)
+    keep: set[int] = set()
+    after: dict[int, list[int]] = {}
+    for c in plan.dropped:
+        values = [v for sid in c.storages for v in values_of.get(sid, ())]
+        keep.update(values)
+        after.setdefault(plan.order[c.free_after], []).extend(values)
+    drops = DropPlan(
+        tuple(0 if o.at_once else o.op_id for o in d.ops),
+        frozenset(keep),
+        {place: tuple(vs) for place, vs in after.items()},
+    )
+    base = replay(g, plan.order, check_order=False)
+    return NativeBudgetPlan(
+        drops, budget, base.peak, plan.peak, g.persistent_bytes, len(plan.dropped),
+        plan.extra_seconds, plan.predicted_seconds, plan.method, plan.seconds,
+    )  # fmt: skip

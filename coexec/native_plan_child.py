@@ -1,0 +1,34 @@
+"""The child process that makes native-backend memory plans (``coexec/native_plans.py``):
+``python -m coexec.native_plan_child``, one plan at a time over a pipe."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+import torch
+
+from coexec.native_budget import plan_native_budget
+from coexec.plan_process import _read, _write
+
+
+def main() -> None:
+    """The child's loop: a described step and a budget in, (True, plan) or (False, error) out."""
+    out = os.fdopen(os.dup(1), "wb")  # (fd 1 is the pipe: anything printed goes to stderr)
+    os.dup2(2, 1)
+    torch.set_num_threads(1)
+    while True:
+        try:
+            d, budget = pickle.loads(_read(sys.stdin.buffer))
+        except EOFError:
+            return
+        try:
+            answer = (True, plan_native_budget(d, budget))
+        except Exception as e:  # noqa: BLE001 (raised in the training process)
+            answer = (False, e)
+        _write(out, pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+if __name__ == "__main__":
+    main()

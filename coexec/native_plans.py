@@ -1,0 +1,154 @@
+"""A native-backend program under a memory budget: which step is described, its plan made in
+the background, the plan the capture follows, and what each step measured.
+
+The first steps run unplanned (the capture meets their ops); the third is described
+(``Capture.describe_next``) and planned in a child process (``coexec/native_budget.py``; a plan
+takes the planner's Python, which would share the GIL with the steps here); the steps after the
+plan arrives follow it (``Capture.follow``). A step that leaves the plan's path (another op
+where the plan expects one) is counted; after two such steps in a row, one is described again
+and planned anew, at most every 16 steps. A budget no plan can meet raises
+:class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from executor.step_plans import StepDescription
+from planner import BudgetTooSmall, format_bytes
+
+from .native_budget import NativeBudgetPlan, plan_native_budget
+from .plan_process import _child_path, _read, _write
+
+WARM_UP = 2  # unplanned steps before one is described (the capture meets the ops, then the backward)
+UNFOLLOWED = 2  # steps off the plan's path in a row before the path is planned again
+REPLAN_EVERY = 16  # steps at least between two descriptions
+
+
+class _PlanChild:
+    """``python -m coexec.native_plan_child``: plans made in a child process (started at the first
+    plan, a second or two to import torch), one at a time; it ends when this process closes the
+    pipe. Not multiprocessing's spawn: that runs the user's script again in the child where it
+    has no ``if __name__ == "__main__"`` guard."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def plan(self, d: StepDescription, budget: int) -> NativeBudgetPlan:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                env = {**os.environ, "PYTHONPATH": _child_path()}
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "coexec.native_plan_child"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                )  # fmt: skip
+            _write(self._proc.stdin, pickle.dumps((d, budget), protocol=pickle.HIGHEST_PROTOCOL))
+            ok, value = pickle.loads(_read(self._proc.stdout))
+        if not ok:
+            raise value
+        return value
+
+
+_child = _PlanChild()
+
+
+def _submit(d: StepDescription, budget: int) -> Future:
+    """The plan, made in the child process (here, in a thread, if the child cannot run)."""
+    f: Future = Future()
+
+    def plan() -> None:
+        try:
+            try:
+                result = _child.plan(d, budget)
+            except (OSError, EOFError, pickle.PickleError):
+                result = plan_native_budget(d, budget)
+            f.set_result(result)
+        except BaseException as e:  # noqa: BLE001 (handed to the step that takes the plan)
+            f.set_exception(e)
+
+    threading.Thread(target=plan, name="coexec-native-plan", daemon=True).start()
+    return f
+
+
+class NativeBudget:
+    """One program's memory budget on the native backend (module docstring)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.plan: NativeBudgetPlan | None = None
+        self.future: Future | None = None
+        self.error: BudgetTooSmall | None = None
+        self.steps = 0
+        self.described_at = -REPLAN_EVERY
+        self.unfollowed = 0
+        self.describing = False
+        self.plans = 0  # plans taken into use
+        self.live0 = 0
+        self.remade0 = self.misses0 = 0
+
+    def before(self, capture: Any, cpu: Any) -> list[str]:
+        """Before a step: the plan taken if it arrived, the step described if it is its turn,
+        the plan in use given to the capture, the memory counter started. Lines for a debug log."""
+        lines = []
+        if self.future is not None and self.future.done():
+            lines.append(self._take())
+        if self.error is not None:
+            raise self.error
+        due = self.plan is None or (
+            self.unfollowed >= UNFOLLOWED and self.steps - self.described_at >= REPLAN_EVERY
+        )
+        self.describing = self.future is None and self.steps >= WARM_UP and due
+        if self.describing:
+            capture.describe_next()
+        capture.follow(None if self.plan is None else self.plan.drops)
+        cpu.count_cpu_bytes()  # (from the first budgeted step on: a header per allocation)
+        cpu.reset_cpu_peak()
+        self.live0 = cpu.cpu_bytes()[0]
+        c = capture.counters
+        self.remade0, self.misses0 = c.remade, c.misses
+        return lines
+
+    def after(self, capture: Any, cpu: Any, stats: Any) -> None:
+        """After a step: its description sent to be planned, whether it followed the plan, what
+        it held at its peak (persistent state as the described step had it, plus what the
+        step allocated beyond what was live as it began)."""
+        self.steps += 1
+        if self.describing and capture.counters.misses > self.misses0:
+            pass  # (ops new at their line ran at once: not the path's settled ops; the next step is described)
+        elif self.describing:
+            self.future = _submit(capture.description(), self.budget)
+            self.described_at = self.steps
+            self.unfollowed = 0
+        elif self.plan is not None:
+            self.unfollowed = 0 if capture.followed else self.unfollowed + 1
+        persistent = self.plan.persistent_bytes if self.plan is not None else 0
+        stats.peak_bytes = persistent + cpu.cpu_bytes()[1] - self.live0
+        stats.planned_peak_bytes = self.plan.planned_peak if self.plan is not None else None
+        stats.recomputed_ops = capture.counters.remade - self.remade0
+        if self.plan is not None and stats.peak_bytes > self.budget:
+            stats.over_budget_steps += 1
+
+    def _take(self) -> str:
+        f, self.future = self.future, None
+        try:
+            self.plan = f.result()
+        except BudgetTooSmall as e:
+            self.error = BudgetTooSmall(
+                e.budget, e.smallest, "this step has not run (the steps before it ran unplanned while it was planned)"
+            )
+            return f"the memory budget {format_bytes(self.budget)} cannot be met"
+        self.plans += 1
+        p = self.plan
+        return (
+            f"memory plan {self.plans} ready: peak {format_bytes(p.eager_peak)} -> "
+            f"{format_bytes(p.planned_peak)} (budget {format_bytes(p.budget)}), {p.recomputed} op(s) "
+            f"recomputed (+{1e3 * p.extra_seconds:.1f} ms), planned in {p.planning_seconds:.2f} s ({p.method})"
+        )
+

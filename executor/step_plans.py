@@ -1,0 +1,51 @@
+"""A described step and the memory plan made for it: what the native capture
+(``executor/capture.py``) and the runtime's budget planning (``coexec/native_budget.py``)
+exchange. Plain data, pickled to the planning process; nothing here needs the native module."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class DescribedOp(NamedTuple):
+    """One op of a described step (:meth:`Capture.describe_next`), as the executor ran it."""
+
+    place: int  # its place in the step (ops issued before it)
+    name: str  # ``aten::mm``, with the overload after a dot
+    op_id: int  # the operator, for :class:`DropPlan` (this process only)
+    seconds: float
+    at_once: bool  # run at once on the step's thread (Python read its result, or a new op)
+    random: bool  # it draws from a generator
+    reads: tuple[int, ...]  # storages, numbered in the order the step met them
+    writes: tuple[int, ...]
+    makes: tuple[int, ...]  # storages it allocated
+    values: tuple[tuple[int, int], ...]  # per placeholder it made: (value number, storage)
+
+
+@dataclass(frozen=True)
+class StepDescription:
+    """What a step's ops read, wrote and made, storage by storage: what a memory plan for its
+    path is made from (``coexec/native_budget.py``). Values are the step's placeholders,
+    numbered from 0 in the order made; the same path numbers them the same way."""
+
+    ops: tuple[DescribedOp, ...]
+    storage_bytes: tuple[int, ...]  # per storage
+    existed: tuple[bool, ...]  # per storage: it existed before the step (a parameter, a batch)
+    fetched: frozenset[int]  # values Python read (numpy, printing, a realized tensor)
+    released: Mapping[int, int]  # value -> ops issued when the program let go of it
+    alive: frozenset[int]  # values Python held at the step's end
+
+
+@dataclass(frozen=True)
+class DropPlan:
+    """A memory plan the worker follows (``native/capture_worker.h``, ``Drops``): after the op
+    at place ``p`` it frees the values ``after[p]``, and makes each again from its kept producer
+    when it is next read. A step that meets another op than ``ops[place]`` stops following it
+    there (what it dropped is still made again when read), so a plan changes when memory is
+    held, never a value."""
+
+    ops: tuple[int, ...]  # per place: the op id expected there (0: an op run at once)
+    keep: frozenset[int]  # values whose producers are kept (the values dropped, and their views)
+    after: Mapping[int, tuple[int, ...]]  # place -> values dropped after the op there

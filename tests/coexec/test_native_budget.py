@@ -1,0 +1,93 @@
+"""``GradientTape(backend="native", memory_budget=...)``: a described step planned in the
+background (``coexec/native_plans.py``), the steps after it following the plan (activations
+dropped and made again on the worker), bit-equal to eager and within the budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import coexec
+from executor import native
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="the native backend needs the native module")
+
+
+def _state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(64, 4))
+    data = [(torch.randn(256, 64), torch.randn(256, 4)) for _ in range(3)]
+    return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=0.01), "data": data}
+
+
+def _step(state: dict, i: int) -> torch.Tensor:
+    model, opt = state["model"], state["opt"]
+    x, y = state["data"][i % 3]
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _train_until_planned(tape: coexec.GradientTape, eager: dict, captured: dict, after: int) -> list[int]:
+    """Steps in turn, eager and taped, asserting equal losses, until ``after`` steps have run
+    with the plan in use (its planning process may take seconds to start); the steps' recomputed
+    ops."""
+    recomputed, planned, i = [], 0, 0
+    deadline = time.monotonic() + 120
+    while planned < after:
+        assert time.monotonic() < deadline, "no memory plan arrived in 120 s"
+        want = _step(eager, i)
+        with tape:
+            got = _step(captured, i)
+        assert torch.equal(want, got), f"step {i}"
+        if tape.stats.planned_peak_bytes is not None:
+            planned += 1
+            recomputed.append(tape.stats.recomputed_ops)
+        else:
+            time.sleep(0.02)  # (the planning process starting)
+        i += 1
+    for (name, a), b in zip(eager["model"].named_parameters(), captured["model"].parameters()):
+        assert torch.equal(a, b), name
+    for se, sc in zip(eager["opt"].state.values(), captured["opt"].state.values()):
+        for k in se:
+            assert torch.equal(se[k], sc[k]), k
+    return recomputed
+
+
+def test_steps_under_a_budget_recompute_and_stay_within_it() -> None:
+    probe = coexec.GradientTape(backend="native", memory_budget=1, key=("native budget", "probe"))
+    with pytest.raises(coexec.BudgetTooSmall) as small:
+        _train_until_planned(probe, _state(), _state(), 1)
+    smallest = small.value.smallest
+    # between the smallest budget a plan meets and what the step holds unplanned
+    budget = smallest + 64 * 256 * 4
+    tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("native budget", "fits"))
+    recomputed = _train_until_planned(tape, _state(), _state(), 4)
+    s = tape.stats
+    assert all(r > 0 for r in recomputed)
+    assert s.planned_peak_bytes <= budget and s.peak_bytes <= budget and s.over_budget_steps == 0
+
+
+def test_a_budget_no_plan_meets_names_the_smallest_at_the_next_step() -> None:
+    tape = coexec.GradientTape(backend="native", memory_budget="1KiB", key=("native budget", "small"))
+    state = _state()
+    with pytest.raises(coexec.BudgetTooSmall, match="smallest feasible budget") as small:
+        deadline = time.monotonic() + 120
+        for i in range(10**6):
+            assert time.monotonic() < deadline
+            with tape:
+                _step(state, i)
+            time.sleep(0.02)
+    assert small.value.budget == 1024 and small.value.smallest > 1024
+    assert "this step has not run" in str(small.value)
+
+
+def test_offloading_is_refused_on_the_native_backend() -> None:
+    with pytest.raises(ValueError, match="recomputation only"):
+        coexec.GradientTape(backend="native", memory_budget="1GB", offload=True)

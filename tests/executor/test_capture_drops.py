@@ -1,0 +1,220 @@
+"""Memory plans on the native capture (``native/capture_worker.h``, ``Drops``): values dropped
+after an op and made again from their kept producer when read, bit-equal to eager whatever reads
+them (the backward, Python, the step's end), whatever changes their inputs in place, and on a
+step whose path leaves the plan's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coexec.native_budget import plan_native_budget, planning_graph
+from executor import native
+from executor.capture import Capture
+from executor.step_plans import DropPlan, StepDescription
+from planner import ESCAPING, LOCAL, PERSISTENT, BudgetTooSmall, replay
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="capture runs on the native module")
+
+
+def tanh_chain(x: torch.Tensor, w: torch.Tensor, depth: int = 4) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``depth`` layers of ``tanh(h @ w)``, the loss, and the activations."""
+    hs, h = [], x
+    for _ in range(depth):
+        h = torch.tanh(h @ w)
+        hs.append(h)
+    return h.pow(2).mean(), hs
+
+
+def described(capture: Capture, step, steps: int = 4) -> StepDescription:
+    """Run ``step`` ``steps`` times captured, the last one described."""
+    for i in range(steps):
+        if i == steps - 1:
+            capture.describe_next()
+        with capture.step():
+            step(i)
+    return capture.description()
+
+
+def drop_all_activations(d: StepDescription) -> DropPlan:
+    """Every tanh's value kept and dropped right after the op that made it."""
+    keep, after = set(), {}
+    for o in d.ops:
+        if o.name == "aten::tanh":
+            for value, _ in o.values:
+                keep.add(value)
+                after.setdefault(o.place, []).append(value)
+    assert keep, "no tanh in the description"
+    return DropPlan(
+        tuple(0 if o.at_once else o.op_id for o in d.ops), frozenset(keep),
+        {p: tuple(v) for p, v in after.items()},
+    )  # fmt: skip
+
+
+def test_a_described_step_says_what_each_op_read_wrote_and_made() -> None:
+    capture = Capture()
+    w, x = torch.randn(6, 6), torch.randn(3, 6)
+
+    def step(i: int) -> None:
+        a = x @ w
+        b = a.relu_()  # (in place: no new storage)
+        c = b.t()  # (a view: the same storage)
+        del a, b
+        keep.append(c.sum())
+
+    keep: list[torch.Tensor] = []
+    d = described(capture, step)
+    names = [o.name for o in d.ops]
+    assert names == ["aten::mm", "aten::relu_", "aten::t", "aten::sum"]
+    mm, relu, t, total = d.ops
+    assert d.existed[mm.reads[0]] and d.existed[mm.reads[1]]  # x and w: from before the step
+    (made,) = mm.makes
+    assert relu.writes == (made,) and relu.makes == () and t.reads == (made,) and t.makes == ()
+    assert d.storage_bytes[made] == 3 * 6 * 4
+    assert total.values[0][0] in d.alive  # (the sum is kept)
+    g = planning_graph(d)
+    kinds = {s.sid: s.kind for s in g.storages.values()}
+    assert kinds[mm.reads[0]] == PERSISTENT and kinds[made] == LOCAL and kinds[total.makes[0]] == ESCAPING
+    assert g.preds[1] == {0} and 1 in g.preds[2]  # relu_ after mm; t after the write
+
+
+def test_dropped_activations_are_made_again_for_the_backward_bit_equal() -> None:
+    torch.manual_seed(0)
+    w0, x = torch.randn(32, 32) * 0.3, torch.randn(16, 32)
+    eager_w, w = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    capture = Capture()
+
+    def step(weight: torch.Tensor) -> torch.Tensor:
+        loss, _ = tanh_chain(x, weight)
+        loss.backward()
+        with torch.no_grad():
+            weight -= 0.1 * weight.grad
+        weight.grad = None
+        return loss.detach()
+
+    d = described(capture, lambda i: step(w))
+    for _ in range(4):
+        step(eager_w)
+    capture.follow(drop_all_activations(d))
+    before = capture.counters
+    for i in range(4):
+        want = step(eager_w)
+        with capture.step():
+            got = step(w)
+        assert torch.equal(want, got) and torch.equal(eager_w, w), f"step {i}"
+        assert capture.followed
+    after = capture.counters
+    assert after.dropped - before.dropped == 4 * 4 and after.remade - before.remade == 4 * 4
+
+
+def test_a_dropped_value_python_reads_or_keeps_is_made_again() -> None:
+    """Read by ``numpy()`` after its drop, or alive at the step's end: its value is eager's."""
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    capture = Capture()
+    kept: list[torch.Tensor] = []
+
+    def step(i: int) -> None:
+        _, hs = tanh_chain(x, w)
+        if i >= 4:
+            kept.append(torch.from_numpy(hs[1].numpy().copy()))
+            kept.append(hs[2])
+
+    d = described(capture, step)
+    capture.follow(drop_all_activations(d))
+    with capture.step():
+        step(4)
+    _, want = tanh_chain(x, w)
+    assert torch.equal(kept[0], want[1]) and torch.equal(kept[1], want[2])
+    assert capture.counters.remade >= 2
+
+
+def test_an_input_changed_in_place_after_a_drop_makes_the_value_first() -> None:
+    """``x.add_(1)`` after ``tanh(x)`` was dropped: the value is made from the ``x`` it was made
+    of (before the write), as eager computed it."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 8)
+    capture = Capture()
+    out: list[torch.Tensor] = []
+
+    def step(i: int) -> None:
+        x = w * (i + 1)
+        h = torch.tanh(x)
+        x.add_(1)  # (what h is made of changes after h was dropped)
+        out.append((h * 2).sum() + x.sum())
+
+    d = described(capture, step)
+    keep = {v for o in d.ops if o.name == "aten::tanh" for v, _ in o.values}
+    place = next(o.place for o in d.ops if o.name == "aten::tanh")
+    ops = tuple(0 if o.at_once else o.op_id for o in d.ops)
+    capture.follow(DropPlan(ops, frozenset(keep), {place: tuple(keep)}))
+    out.clear()
+    with capture.step():
+        step(5)
+    x = w * 6
+    want = (torch.tanh(x) * 2).sum() + (x + 1).sum()
+    assert torch.equal(out[0], want) and capture.followed
+
+
+def test_a_step_on_another_path_leaves_the_plan_bit_equal() -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    capture = Capture()
+    got: list[torch.Tensor] = []
+
+    def step(i: int) -> None:
+        loss, hs = tanh_chain(x, w, depth=4 if i < 4 else 2)  # (a shorter chain: another path)
+        got.append(loss + hs[0].sum())
+
+    d = described(capture, step)
+    capture.follow(drop_all_activations(d))
+    got.clear()
+    before = capture.counters.dropped
+    with capture.step():
+        step(4)
+    assert capture.counters.dropped - before == 2  # (the two tanh before the paths part)
+    loss, hs = tanh_chain(x, w, depth=2)
+    assert torch.equal(got[0], loss + hs[0].sum())
+    assert not capture.followed
+
+
+def test_a_plan_for_a_budget_holds_the_step_within_it() -> None:
+    """The planner's plan for the described step: a lower planned peak, and the peak the
+    allocator counts in a step that follows it drops by what the plan says."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(256, 64), torch.randn(256, 64)
+    cpu = native.wait()
+    cpu.count_cpu_bytes()
+    capture = Capture()
+
+    def step(i: int) -> None:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    def measured() -> int:
+        opt.zero_grad()  # (outside the step: its peak counts only what it allocates)
+        live = cpu.cpu_bytes()[0]
+        cpu.reset_cpu_peak()
+        with capture.step():
+            step(0)
+        return cpu.cpu_bytes()[1] - live
+
+    d = described(capture, step)
+    g = planning_graph(d)
+    eager = replay(g, list(range(len(g))), check_order=False).peak
+    with pytest.raises(BudgetTooSmall, match="smallest feasible budget") as small:
+        plan_native_budget(d, g.persistent_bytes + 1)
+    assert g.persistent_bytes < small.value.smallest < eager
+    budget = (small.value.smallest + eager) // 2
+    plan = plan_native_budget(d, budget)
+    assert plan.eager_peak == eager and plan.planned_peak <= budget and plan.recomputed > 0
+    unplanned = measured()
+    capture.follow(plan.drops)
+    planned = measured()
+    assert capture.followed
+    assert unplanned - planned >= eager - plan.planned_peak
