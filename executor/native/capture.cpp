@@ -640,11 +640,13 @@ class Capture {
     return true;
   }
 
-  const Entry& fill(const c10::OperatorHandle& op, const Key& key, Args args,
+  // Cache what `op` made (its returns on `stack`) from `args`, whose tensors had the metadata
+  // `inputs` before it ran (an ``out=`` that resizes changed its argument's since).
+  const Entry& fill(const c10::OperatorHandle& op, const Key& key, Args args, std::vector<TensorMeta> inputs,
                     const torch::jit::Stack& stack) {
     const auto& schema = op.schema();
     Entry e;
-    input_metas(args, e.inputs);
+    e.inputs = std::move(inputs);
     e.consts = consts_of(schema, args);
     e.outputs = out_metas(stack, schema.returns().size());
     for (size_t r = 0; r < schema.returns().size(); ++r) e.written.push_back(written_arg(schema, r));
@@ -652,7 +654,7 @@ class Capture {
     e.id = next_entry_id_++;
     auto& variants = cache_[key];
     for (auto it = variants.begin(); it != variants.end(); ++it)
-      if (it->inputs == e.inputs && matches(*it, schema, args)) {
+      if (it->inputs == e.inputs && same_consts(it->consts, e.consts)) {
         if (it->outputs == e.outputs) e.id = it->id;  // (``.item()``, run again: the same)
         variants.erase(it);  // (the same arguments made other outputs: a data-dependent op)
         break;
@@ -700,8 +702,10 @@ void run_on_values(const c10::OperatorHandle& op, Args args, torch::jit::Stack* 
 // As eager: wait for the ops before it, run it on the values, and cache what it made.
 void Capture::run_now(const c10::OperatorHandle& op, const Key& key, Args args,
                       torch::jit::Stack* stack) {
+  std::vector<TensorMeta> before;  // (a miss met again must match what came in, not what went out)
+  input_metas(args, before);
   run_at_once(op, args, stack);
-  fill(op, key, args, *stack);
+  fill(op, key, args, std::move(before), *stack);
 }
 
 // Wait for the ops before it and run it on the values.
@@ -1127,7 +1131,9 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     ++misses_;
     for (const c10::IValue& a : args) stack->push_back(map_tensors(a, to_meta));
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
-    cached = &fill(op, key, args, *stack);
+    std::vector<TensorMeta> inputs;
+    input_metas(args, inputs);
+    cached = &fill(op, key, args, std::move(inputs), *stack);
     torch::jit::drop(*stack, nret);
   }
   extend_path(mix(d, cached->id));

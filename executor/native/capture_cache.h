@@ -158,6 +158,13 @@ void input_metas(Args args, std::vector<TensorMeta>& out) {
     });
 }
 
+bool same_consts(const std::vector<c10::IValue>& a, const std::vector<c10::IValue>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!same_const(a[i], b[i])) return false;
+  return true;
+}
+
 bool matches(const Entry& e, const c10::FunctionSchema& schema, Args args) {
   size_t k = 0;
   bool same = true;

@@ -479,3 +479,21 @@ def test_a_second_grad_through_a_replayed_graph_raises_as_eager() -> None:
                 assert capture.counters.gradient_blocks > 0
                 with pytest.raises(RuntimeError, match="backward through the graph a second time"):
                     torch.autograd.grad(loss, list(s.model.parameters()))
+
+
+def test_an_out_variant_that_resizes_is_met_again_and_its_path_repeats() -> None:
+    """``torch.arange(n)`` resizes the empty ``out=`` its composite makes: it runs at once every
+    step (Python sees the shape), yet is met again from the cache (its entry keeps the metadata
+    that came in, not what went out: every step was a miss before, so no block followed), and the
+    backward after it replays its block."""
+    capture = Capture()
+    w = torch.randn(5, requires_grad=True)
+    misses, blocks = [], []
+    for _ in range(5):
+        c0 = capture.counters
+        with capture.step():
+            (w * torch.arange(5)).sum().backward()
+        misses.append(capture.counters.misses - c0.misses)
+        blocks.append(capture.counters.gradient_blocks - c0.gradient_blocks)
+        w.grad = None
+    assert misses[2:] == [0, 0, 0] and blocks[2:] == [1, 1, 1]
