@@ -37,10 +37,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import coexec  # noqa: E402
-from budget_pareto import build, chain, checkpointed_step  # noqa: E402
-from common import markdown_table, prepare  # noqa: E402
-from executor import native  # noqa: E402
+from budget_pareto import build, chain, checkpointed_step
+from common import markdown_table, prepare
+
+import coexec
+from executor import native
 
 MB = 1e6
 

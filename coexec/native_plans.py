@@ -12,6 +12,7 @@ and planned anew, at most every 16 steps. A budget no plan can meet raises
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import subprocess
@@ -55,8 +56,18 @@ class _PlanChild:
             raise value
         return value
 
+    def close(self) -> None:
+        """End the child (at exit): its pipe closed, it returns."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            for stream in (proc.stdin, proc.stdout):
+                stream.close()
+            proc.wait()
+
 
 _child = _PlanChild()
+atexit.register(_child.close)
 
 
 def _submit(d: StepDescription, budget: int) -> Future:
