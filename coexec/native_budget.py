@@ -52,14 +52,16 @@ def planning_graph(d: StepDescription) -> PlanningGraph:
                 alive.add(sid)
             if value in d.fetched:
                 fetched.add(sid)
-            at = d.released.get(value, -1)  # (-1: let go of at its last use: a gradient block's)
+            # (let go of with `at` ops issued: the worker frees it with the op after, at; -1:
+            # at its last use, a gradient block's)
+            at = d.released.get(value, -1)
             if at >= 0:
-                held[sid] = max(held.get(sid, -1), at - 1)
+                held[sid] = max(held.get(sid, -1), at)
         if o.at_once:  # (its tensors are Python's, not placeholders: none may be dropped)
             fetched.update(o.reads)
             alive.update(o.makes)
     accesses = [
-        Access(o.name, o.seconds, o.reads, o.writes, o.makes, o.random, o.at_once) for o in d.ops
+        Access(o.name, o.seconds, o.reads, o.writes, o.makes, o.random, o.at_once, o.workspace) for o in d.ops
     ]
     facts = [
         StorageFacts(nbytes, existed, held.get(sid), sid in alive, sid in fetched)

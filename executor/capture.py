@@ -124,8 +124,8 @@ class Capture:
         """The last described step."""
         ops, nbytes, existed, fetched, released, alive = self._c.description()
         described = tuple(
-            DescribedOp(p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)))
-            for p, name, op_id, ns, once, rnd, r, w, m, v in ops
+            DescribedOp(p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)), ws)
+            for p, name, op_id, ns, once, rnd, r, w, m, v, ws in ops
         )
         return StepDescription(
             described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive)

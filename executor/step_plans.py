@@ -22,6 +22,7 @@ class DescribedOp(NamedTuple):
     writes: tuple[int, ...]
     makes: tuple[int, ...]  # storages it allocated
     values: tuple[tuple[int, int], ...]  # per placeholder it made: (value number, storage)
+    workspace: int = 0  # bytes its kernel allocated and freed again (when the CPU's are counted)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class Access(NamedTuple):
     makes: tuple[int, ...]  # storages it returned that no op before it touched (it allocated them)
     random: bool = False
     fetch: bool = False  # Python read its inputs (its result is a Python value)
+    workspace: int = 0  # temporary bytes inside its kernel
 
 
 class StorageFacts(NamedTuple):
@@ -245,7 +246,7 @@ class PlanningGraph:
         a trace: ``executor/capture.py``'s described steps), ops in issue order, storages by
         their number. The edges are the storages': each op after the last write of what it
         reads, each write after the reads and the write before it, random ops in order."""
-        nodes = [OpNode(j, a.name, a.seconds, random=a.random) for j, a in enumerate(ops)]
+        nodes = [OpNode(j, a.name, a.seconds, a.workspace, random=a.random) for j, a in enumerate(ops)]
         made_by: dict[int, int] = {}
         for j, a in enumerate(ops):
             for sid in a.makes:

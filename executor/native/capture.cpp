@@ -277,7 +277,7 @@ class Capture {
   // The last described step: (ops, storage bytes, storages that existed before it, values Python
   // read, (value, ops issued when the program let go of it), values alive at its end). Per op:
   // (place, name, op id, ns, ran at once, random, storages read, written, made, (value, storage)
-  // per placeholder made). Values are numbered from 0 in the step.
+  // per placeholder made, bytes its kernel allocated and freed again). Values are numbered from 0 in the step.
   py::tuple description() {
     TORCH_CHECK(worker_ != nullptr, "coexec: only an 'async' capture describes steps");
     const StepLog& log = worker_->last_log();
@@ -290,7 +290,7 @@ class Capture {
       const auto& name = o.op->schema().operator_name();
       ops.append(py::make_tuple(o.index, name.name + (name.overload_name.empty() ? "" : "." + name.overload_name),
                                 reinterpret_cast<int64_t>(o.op), o.ns, o.at_once, o.random, o.reads, o.writes,
-                                o.makes, values));
+                                o.makes, values, o.workspace));
     }
     py::list fetched, released, alive;
     for (uint64_t id : log.fetched)

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "capture_placeholders.h"
+#include "cpu_bytes.h"
 #include "grave.h"
 
 namespace coexec {
@@ -107,6 +108,15 @@ struct TapeEntry {
   }
 };
 
+// Does `op` write its argument `i`? As its schema says, and batch norm's running statistics,
+// which native_batch_norm (the CPU's training batch norm) updates in place with no annotation.
+bool writes_argument(const c10::OperatorHandle& op, size_t i) {
+  const auto& args = op.schema().arguments();
+  if (i < args.size() && args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) return true;
+  static const c10::OperatorName bn("aten::native_batch_norm", "");
+  return (i == 3 || i == 4) && op.operator_name() == bn;
+}
+
 // -- a described step: what each op read, wrote and made, for a memory plan ------------------
 // Storages are numbered in the order met (a view shares its base's); one first met as an input
 // existed before the step. The log holds them weakly: the StorageImpl's memory stays (so its
@@ -118,6 +128,7 @@ struct LoggedOp {
   int64_t ns = 0;
   bool at_once = false;  // ran at once on the step's thread (its result read by Python)
   bool random = false;   // draws from a generator
+  int64_t workspace = 0;  // bytes its kernel allocated and freed again (counted: cpu_bytes.h)
   std::vector<int64_t> reads, writes, makes;  // storage numbers
   std::vector<std::pair<uint64_t, int64_t>> values;  // per placeholder it made: (number, storage)
 };
@@ -145,10 +156,9 @@ class StepLog {
     l.op = &op;
     l.at_once = at_once;
     l.random = op.hasTag(at::Tag::nondeterministic_seeded);
-    const auto& schema = op.schema();
-    for (size_t i = 0; i < stack.size() && i < schema.arguments().size(); ++i) {
-      const auto* alias = schema.arguments()[i].alias_info();
-      const bool written = alias != nullptr && alias->isWrite();
+    if (counting_cpu_bytes() != nullptr) CountingCPUAllocator::open_window();
+    for (size_t i = 0; i < stack.size(); ++i) {
+      const bool written = writes_argument(op, i);
       each_tensor(stack[i], [&](const at::Tensor& t) {
         if (!t.defined() || !t.has_storage()) return;
         (written ? l.writes : l.reads).push_back(storage(t, true));
@@ -162,6 +172,10 @@ class StepLog {
   void finish(const torch::jit::Stack& out, const std::vector<const Slot*>& slots, int64_t ns) {
     LoggedOp& l = ops.back();
     l.ns = ns;
+    if (counting_cpu_bytes() != nullptr) {
+      const auto [peak, end] = CountingCPUAllocator::close_window();
+      l.workspace = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
+    }
     size_t k = 0;
     const auto one = [&](const at::Tensor& t) {
       const Slot* s = k < slots.size() ? slots[k] : nullptr;
@@ -254,7 +268,12 @@ const at::Tensor& value_of(Slot& s) {
   if (s.real.defined() || !s.recipe) return s.real;
   // (in either thread: the worker reading it, or the step's thread after the worker caught up)
   std::shared_ptr<Recipe> r = s.recipe;
-  c10::impl::ExcludeDispatchKeyGuard no_capture(c10::DispatchKeySet(kKey));
+  // (the capture's key off the step's thread: its bits cleared, the backend's too, which a set
+  // difference keeps: with it, the op would come back to the capture's kernel)
+  const auto tls = c10::impl::tls_local_dispatch_key_set();
+  const c10::DispatchKeySet off(c10::DispatchKeySet::RAW,
+                                tls.included_.raw_repr() & ~c10::DispatchKeySet(kKey).raw_repr());
+  c10::impl::ForceDispatchKeyGuard no_capture(off, tls.excluded_);
   at::AutoDispatchBelowADInplaceOrView below;
   const TapeEntry& e = r->entry;
   run_op(e, [&r](uint32_t i, const at::Tensor& t) {
@@ -410,10 +429,8 @@ class Worker {
   // Before op `e` runs: what it writes is no longer what a recipe reads.
   void guard_writes(const TapeEntry& e) {
     if (readers_.empty()) return;
-    const auto& schema = e.op->schema();
-    for (size_t i = 0; i < e.args.size() && i < schema.arguments().size(); ++i) {
-      const auto* alias = schema.arguments()[i].alias_info();
-      if (alias == nullptr || !alias->isWrite()) continue;
+    for (size_t i = 0; i < e.args.size(); ++i) {
+      if (!writes_argument(*e.op, i)) continue;
       const uint32_t begin = e.arg_slots[i];
       const uint32_t end = i + 1 < e.arg_slots.size() ? e.arg_slots[i + 1] : static_cast<uint32_t>(e.slots.size());
       if (begin < end) {
@@ -465,7 +482,7 @@ class Worker {
     for (const auto& s : e.out_slots) {
       if (!s || s->id < first_value_) continue;
       const uint64_t n = s->id - first_value_;
-      if (n >= d.keep.size() || !d.keep[n] || e.op->hasTag(at::Tag::nondeterministic_seeded)) continue;
+      if (n >= d.keep.size() || !d.keep[n] || !remakeable(*e.op)) continue;
       if (!recipe) recipe = recipe_of(e);
       s->recipe = recipe;
       kept_[static_cast<uint32_t>(n)] = s;
@@ -479,6 +496,15 @@ class Worker {
         s->real = at::Tensor();
         dropped_.fetch_add(1, std::memory_order_relaxed);
       }
+  }
+
+  // May this op run again? Not one that draws from a generator (its values would differ) or
+  // writes an argument (batch norm's running statistics would move twice).
+  static bool remakeable(const c10::OperatorHandle& op) {
+    if (op.hasTag(at::Tag::nondeterministic_seeded)) return false;
+    for (size_t i = 0; i < op.schema().arguments().size(); ++i)
+      if (writes_argument(op, i)) return false;
+    return true;
   }
 
   std::shared_ptr<Recipe> recipe_of(const TapeEntry& e) {

@@ -7,12 +7,20 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <new>
 #include <utility>
 
 namespace coexec {
+
+// A thread's window of its own allocations (CountingCPUAllocator::open_window).
+struct CPUBytesWindow {
+  bool open = false;
+  int64_t live = 0, peak = 0;
+};
+inline thread_local CPUBytesWindow t_window;
 
 class CountingCPUAllocator final : public c10::Allocator {
  public:
@@ -41,6 +49,16 @@ class CountingCPUAllocator final : public c10::Allocator {
   int64_t live() const { return live_.load(std::memory_order_relaxed); }
   int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
   void reset_peak() { peak_.store(live(), std::memory_order_relaxed); }
+  // A window of this thread's own allocations and frees (a described step's op: what its kernel
+  // allocates and frees again; other threads' bytes, such as values Python lets go of, are not
+  // in it). open_window() starts it at 0; close_window() ends it: (bytes at its peak, at its end).
+  static void open_window() {
+    t_window = CPUBytesWindow{true, 0, 0};
+  }
+  static std::pair<int64_t, int64_t> close_window() {
+    t_window.open = false;
+    return {t_window.peak, t_window.live};
+  }
 
  private:
   static constexpr size_t kHeader = 64;  // (keeps the data at the base's 64-byte alignment)
@@ -58,8 +76,16 @@ class CountingCPUAllocator final : public c10::Allocator {
 
   void add(int64_t n) {
     const int64_t now = live_.fetch_add(n, std::memory_order_relaxed) + n;
-    int64_t seen = peak_.load(std::memory_order_relaxed);
-    while (now > seen && !peak_.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    raise(peak_, now);
+    if (t_window.open) {
+      t_window.live += n;
+      t_window.peak = std::max(t_window.peak, t_window.live);
+    }
+  }
+
+  static void raise(std::atomic<int64_t>& peak, int64_t now) {
+    int64_t seen = peak.load(std::memory_order_relaxed);
+    while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
     }
   }
 
@@ -67,18 +93,25 @@ class CountingCPUAllocator final : public c10::Allocator {
     auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
     const Header h = *header;
     h.owner->live_.fetch_sub(h.n, std::memory_order_relaxed);
+    if (t_window.open) t_window.live -= h.n;
     h.deleter(h.context);
   }
 };
+
+inline std::atomic<CountingCPUAllocator*> g_counting{nullptr};
 
 // The process's counting allocator, installed at the first call.
 inline CountingCPUAllocator& count_cpu_bytes() {
   static CountingCPUAllocator* counting = [] {
     auto* a = new CountingCPUAllocator(c10::GetCPUAllocator());
     c10::SetCPUAllocator(a, /*priority=*/100);
+    g_counting.store(a);
     return a;
   }();
   return *counting;
 }
+
+// The counting allocator if it is installed (null: bytes are not counted).
+inline CountingCPUAllocator* counting_cpu_bytes() { return g_counting.load(std::memory_order_relaxed); }
 
 }  // namespace coexec

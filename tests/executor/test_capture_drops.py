@@ -218,3 +218,23 @@ def test_a_plan_for_a_budget_holds_the_step_within_it() -> None:
     planned = measured()
     assert capture.followed
     assert unplanned - planned >= eager - plan.planned_peak
+
+
+def test_a_kernels_temporary_bytes_are_in_the_description() -> None:
+    """With the CPU's bytes counted, each op's kernel's own temporary bytes (allocated and freed
+    again on the worker: a convolution's columns) are described, and the planner counts them at
+    the op: a plan without them let ResNet-50 exceed its budget by 0.5%."""
+    native.wait().count_cpu_bytes()
+    capture = Capture()
+    x, w, m = torch.randn(4, 3, 32, 32), torch.randn(8, 3, 3, 3), torch.randn(16, 16)
+
+    def step(i: int) -> None:
+        torch.conv2d(x, w).sum()
+        (m @ m).sum()
+
+    d = described(capture, step)
+    work = {o.name: o.workspace for o in d.ops}
+    assert work["aten::convolution"] > 0 and work["aten::mm"] == 0
+    g = planning_graph(d)
+    conv = next(o.place for o in d.ops if o.name == "aten::convolution")
+    assert g.ops[conv].workspace == work["aten::convolution"]
