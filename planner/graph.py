@@ -175,9 +175,7 @@ class PlanningGraph:
             storages.setdefault(sid, Storage(sid, trace.storage_bytes.get(sid, 0), PERSISTENT, None))
         alive_storages = {values[v].storage for v in trace.alive_at_end}
         preds: list[set[int]] = [set() for _ in trace.ops]
-        last_write: dict[int, int] = {}
-        reads_since: dict[int, list[int]] = {}
-        last_random = None
+        accesses = _AccessOrder()
         for op in trace.ops:
             j = op.index
             node = ops[j]
@@ -197,23 +195,9 @@ class PlanningGraph:
                 producer = values[vid].producer
                 if producer is not None:
                     preds[j].add(producer)
-            for sid in read:
-                if sid in last_write:
-                    preds[j].add(last_write[sid])
-                reads_since.setdefault(sid, []).append(j)
-            for sid in written:
-                preds[j].update(reads_since.get(sid, ()))
-                if sid in last_write:
-                    preds[j].add(last_write[sid])
-                last_write[sid] = j
-                reads_since[sid] = []
-            for sid in made:
-                last_write[sid] = j
-                reads_since[sid] = []
+            preds[j] |= accesses.edges(j, read, written, made)
             if op.random:
-                if last_random is not None:
-                    preds[j].add(last_random)
-                last_random = j
+                preds[j] |= accesses.random(j)
             node.uses = sorted(read | written | set(made))
             node.writes = sorted(written)
             for sid in node.uses:
@@ -259,31 +243,15 @@ class PlanningGraph:
                 kind = ESCAPING if f.alive_at_end else LOCAL
                 table[sid] = Storage(sid, f.nbytes, kind, made_by[sid], release=f.released, fetched=f.fetched)
         preds: list[set[int]] = [set() for _ in ops]
-        last_write: dict[int, int] = {}
-        reads_since: dict[int, list[int]] = {}
-        last_random = None
+        accesses = _AccessOrder()
         for j, a in enumerate(ops):
             node = nodes[j]
             made = [sid for sid in a.makes if made_by.get(sid) == j]
             written = set(a.writes) | (set(a.makes) - set(made))
             read = set(a.reads) - written
-            for sid in read:
-                if sid in last_write:
-                    preds[j].add(last_write[sid])
-                reads_since.setdefault(sid, []).append(j)
-            for sid in written:
-                preds[j].update(reads_since.get(sid, ()))
-                if sid in last_write:
-                    preds[j].add(last_write[sid])
-                last_write[sid] = j
-                reads_since[sid] = []
-            for sid in made:
-                last_write[sid] = j
-                reads_since[sid] = []
+            preds[j] |= accesses.edges(j, read, written, made)
             if a.random:
-                if last_random is not None:
-                    preds[j].add(last_random)
-                last_random = j
+                preds[j] |= accesses.random(j)
             node.allocates = made
             node.uses = sorted(read | written | set(made))
             node.writes = sorted(written)
@@ -305,6 +273,37 @@ class PlanningGraph:
         edges from fetches to later feeds, DESIGN.md §4)."""
         for u, v in fetch_barrier_edges(self.preds, fetch_points(trace)):
             self.add_edge(u, v)
+
+
+class _AccessOrder:
+    """The edges storage accesses impose, op by op in issue order: a read after the last write
+    of its storage, a write after the reads and the write before it; random ops in order."""
+
+    def __init__(self) -> None:
+        self.last_write: dict[int, int] = {}
+        self.reads_since: dict[int, list[int]] = {}
+        self.last_random: int | None = None
+
+    def edges(self, j: int, read: Iterable[int], written: Iterable[int], made: Iterable[int]) -> set[int]:
+        out: set[int] = set()
+        for sid in read:
+            if sid in self.last_write:
+                out.add(self.last_write[sid])
+            self.reads_since.setdefault(sid, []).append(j)
+        for sid in written:
+            out.update(self.reads_since.get(sid, ()))
+            if sid in self.last_write:
+                out.add(self.last_write[sid])
+            self.last_write[sid] = j
+            self.reads_since[sid] = []
+        for sid in made:
+            self.last_write[sid] = j
+            self.reads_since[sid] = []
+        return out
+
+    def random(self, j: int) -> set[int]:
+        before, self.last_random = self.last_random, j
+        return set() if before is None else {before}
 
 
 def sync_points(trace: Trace) -> tuple[int, ...]:
