@@ -318,8 +318,9 @@ class _Waiting:
                 if not isinstance(inputs, dict):  # (a dict's keys come back: the engine's way)
                     inputs = tuple(inputs)  # (once: an iterator such as model.parameters())
                     plain = bool(inputs) and all(
-                        type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in inputs
-                    ) and all(t.is_leaf and t.requires_grad for t in inputs)  # fmt: skip
+                        type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_leaf and t.requires_grad
+                        for t in inputs
+                    )
                 else:
                     plain = False
             if not plain:

@@ -472,6 +472,12 @@ class Capture {
   std::string issue_block(Block& b, const GraphWalk& w, const Place& site);
   Place here();
 
+  // The step's next op was called at `p` (described: the ops issued so far, g_issued).
+  void add_place(const Place& p) {
+    places_.push_back(p);
+    if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
+  }
+
   // Wait for the worker, counting the time.
   void drain() {
     if (!worker_) return;
@@ -587,8 +593,7 @@ class Capture {
       worker_->exhume();
     }
     if (place.code != nullptr) k.where = Where{place.code, place.lasti};
-    places_.push_back(place);
-    if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
+    add_place(place);
     auto& seen = seen_[k.where];
     if (seen.second != steps_) seen = {0, steps_};
     k.nth = seen.first++;
@@ -1020,8 +1025,7 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
     e.op = o.op;
     e.grad_mode = o.grad_mode;
     e.index = static_cast<int64_t>(places_.size());
-    places_.push_back(site);
-    if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
+    add_place(site);
     for (size_t i = 0; i < o.args.size(); ++i) {
       const auto [rb, re] = o.refs_of(i);
       e.arg_slots.push_back(static_cast<uint32_t>(e.slots.size()));

@@ -238,8 +238,11 @@ void run_op(const TapeEntry& e, Out outs, StepLog* log) {
   torch::jit::Stack stack;
   stack.reserve(e.args.size());
   for (size_t i = 0; i < e.args.size(); ++i) stack.push_back(e.real_arg(i));
-  const auto t0 = std::chrono::steady_clock::now();
-  if (log != nullptr) log->start(*e.op, e.index, stack, false);
+  std::chrono::steady_clock::time_point t0;  // (read only where the op is described)
+  if (log != nullptr) {
+    t0 = std::chrono::steady_clock::now();
+    log->start(*e.op, e.index, stack, false);
+  }
   e.op->callBoxed(stack);
   if (log != nullptr) {
     std::vector<const Slot*> made;
@@ -479,10 +482,11 @@ class Worker {
       return;
     }
     std::shared_ptr<Recipe> recipe;
+    const bool remake = !e.out_slots.empty() && remakeable(*e.op);
     for (const auto& s : e.out_slots) {
-      if (!s || s->id < first_value_) continue;
+      if (!remake || !s || s->id < first_value_) continue;
       const uint64_t n = s->id - first_value_;
-      if (n >= d.keep.size() || !d.keep[n] || !remakeable(*e.op)) continue;
+      if (n >= d.keep.size() || !d.keep[n]) continue;
       if (!recipe) recipe = recipe_of(e);
       s->recipe = recipe;
       kept_[static_cast<uint32_t>(n)] = s;
