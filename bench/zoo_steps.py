@@ -20,7 +20,8 @@ kernels. Columns (medians over the pairs):
 * ``stall ms``: the skeleton waiting on the executor (fetches and the end of the step); and
   both for the copy without a plan (``unplanned skeleton ms``, ``unplanned stall ms``);
 * ``native/eager``, ``native skeleton/eager``, ``native max |diff|`` (with ``--native``): the
-  same for the native backend;
+  same for the native backend; ``eager faults``, ``native faults``: minor page faults a step
+  (medians; the worker's included);
 * ``native ops``, ``gradient blocks``, ``templated calls``: of the latest co-executed step;
 * ``max |diff|``: the largest difference between the eager and coexec copies' parameters and
   losses after the run (0: bit-equal).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -69,10 +71,16 @@ def synchronized(step, device: torch.device):
     return run
 
 
-def timed(step) -> tuple[float, torch.Tensor]:
-    t0 = time.perf_counter()
+def minor_faults() -> int:
+    """The process's minor page faults so far (every thread's: the native worker's too)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed(step) -> tuple[float, torch.Tensor, int]:
+    """A step's time, its result and the page faults taken while it ran."""
+    f0, t0 = minor_faults(), time.perf_counter()
     out = step()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, out, minor_faults() - f0
 
 
 def measure(
@@ -124,13 +132,15 @@ def measure(
     for k, f in steps.items():  # the first step on the plan
         losses[k].append(f())
     times: dict[str, list[float]] = {k: [] for k in steps}
+    faults: dict[str, list[int]] = {k: [] for k in steps}
     busy, loose_busy, native_busy = [], [], []
     for _ in range(pairs):
         for k, f in steps.items():
             stall, loose_stall = tape.stats.stall_seconds, loose_tape.stats.stall_seconds
             native_stall = native_tape.stats.stall_seconds if native_too else 0.0
-            t, loss = timed(f)
+            t, loss, f_ = timed(f)
             times[k].append(t)
+            faults[k].append(f_)
             losses[k].append(loss)
             if k == "coexec":
                 busy.append(t - (tape.stats.stall_seconds - stall))
@@ -167,6 +177,8 @@ def measure(
         row["native/eager"] = statistics.median(c / x for c, x in zip(times["native"], e))
         row["native skeleton/eager"] = statistics.median(b / x for b, x in zip(native_busy, e))
         row["native max |diff|"] = diff("native", captured.model)
+        row["eager faults"] = statistics.median(faults["eager"])
+        row["native faults"] = statistics.median(faults["native"])
     row.update({
         "skeleton ms": 1e3 * statistics.median(busy),
         "skeleton/eager": statistics.median(b / x for b, x in zip(busy, e)),

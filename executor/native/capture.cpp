@@ -1252,6 +1252,18 @@ void bind_capture(py::module_& m) {
     return py::make_tuple(c.live(), c.peak());
   });
   m.def("reset_cpu_peak", [] { count_cpu_bytes().reset_peak(); });
+  // the capture worker's kept blocks (cpu_block_cache.h)
+  m.def("cpu_block_cache", [] {
+    const BlockCacheStats s = count_cpu_bytes().cache().stats();
+    py::dict d;
+    d["in_use"] = s.in_use;
+    d["cached"] = s.cached;
+    d["peak_in_use"] = s.peak_in_use;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    return d;
+  });
+  m.def("empty_cpu_block_cache", [] { count_cpu_bytes().cache().empty(); });
 }
 
 }  // namespace coexec

@@ -313,7 +313,10 @@ constexpr int64_t kRing = 8192;  // entries (a power of two)
 
 class Worker {
  public:
-  explicit Worker(int threads) : threads_(threads), ring_(kRing) { thread_ = std::thread([this] { loop(); }); }
+  explicit Worker(int threads) : threads_(threads), ring_(kRing) {
+    count_cpu_bytes();  // (coexec's CPU allocator: the worker's blocks kept for reuse)
+    thread_ = std::thread([this] { loop(); });
+  }
 
   ~Worker() {
     next_entry();  // (op null: the stop)
@@ -603,6 +606,7 @@ class Worker {
     at::set_num_threads(threads_);
     at::AutoDispatchBelowADInplaceOrView below;  // the skeleton did the autograd side
     t_used_recipes = &used_recipes_;
+    t_cache_blocks = true;
     for (int64_t taken = 0;; ++taken) {
       await(published_, taken + 1, idle_, &napping_);
       TapeEntry& e = ring_[taken & (kRing - 1)];

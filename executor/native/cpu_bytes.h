@@ -1,7 +1,8 @@
-// A count of the bytes the CPU allocator hands out, for measuring a step's peak on the CPU
-// (bench/native_memory.py): the default CPU allocator wrapped, live bytes and their peak kept
-// in atomics. Installed on request only (count_cpu_bytes), for the process's life: tensors
-// allocated before it are not counted.
+// coexec's CPU allocator: the default one wrapped, counting the bytes it hands out (live bytes
+// and their peak in atomics: a step's peak on the CPU, for budgets and bench/native_memory.py),
+// with the capture worker's large blocks kept for reuse below the count (cpu_block_cache.h).
+// Installed when the first capture worker starts, or on request (count_cpu_bytes), for the
+// process's life: tensors allocated before it are not counted.
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -12,6 +13,8 @@
 #include <cstdint>
 #include <new>
 #include <utility>
+
+#include "cpu_block_cache.h"
 
 namespace coexec {
 
@@ -24,13 +27,14 @@ inline thread_local CPUBytesWindow t_window;
 
 class CountingCPUAllocator final : public c10::Allocator {
  public:
-  explicit CountingCPUAllocator(c10::Allocator* base) : base_(base) {}
+  explicit CountingCPUAllocator(c10::Allocator* base) : base_(base), cache_(base) {}
 
   // A block of the base allocator, `kHeader` bytes longer: the header says how to free it and
   // how many bytes it counts, and the data pointer is its own context (some kernels allocate
   // through raw_allocate, which requires that).
   c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base_->allocate(n + kHeader);
+    const size_t bytes = n + kHeader;
+    c10::DataPtr inner = CPUBlockCache::wants(bytes) ? cache_.allocate(bytes) : base_->allocate(bytes);
     char* block = static_cast<char*>(inner.get());
     const c10::DeleterFnPtr deleter = inner.get_deleter();
     void* context = inner.release_context();
@@ -49,6 +53,7 @@ class CountingCPUAllocator final : public c10::Allocator {
   int64_t live() const { return live_.load(std::memory_order_relaxed); }
   int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
   void reset_peak() { peak_.store(live(), std::memory_order_relaxed); }
+  CPUBlockCache& cache() { return cache_; }
   // A window of this thread's own allocations and frees (a described step's op: what its kernel
   // allocates and frees again; other threads' bytes, such as values Python lets go of, are not
   // in it). open_window() starts it at 0; close_window() ends it: (bytes at its peak, at its end).
@@ -72,6 +77,7 @@ class CountingCPUAllocator final : public c10::Allocator {
   static_assert(sizeof(Header) <= kHeader);
 
   c10::Allocator* base_;
+  CPUBlockCache cache_;
   std::atomic<int64_t> live_{0}, peak_{0};
 
   void add(int64_t n) {
