@@ -103,6 +103,7 @@ class NativeBudget:
         self.plans = 0  # plans taken into use
         self.live0 = 0
         self.remade0 = self.misses0 = 0
+        self.remade_seconds0 = 0.0
 
     def before(self, capture: Any, cpu: Any) -> list[str]:
         """Before a step: the plan taken if it arrived, the step described if it is its turn,
@@ -119,11 +120,11 @@ class NativeBudget:
         if self.describing:
             capture.describe_next()
         capture.follow(None if self.plan is None else self.plan.drops)
-        cpu.count_cpu_bytes()  # (from the first budgeted step on: a header per allocation)
+        cpu.count_cpu_bytes()  # (installed with the first capture worker: a no-op by now)
         cpu.reset_cpu_peak()
         self.live0 = cpu.cpu_bytes()[0]
         c = capture.counters
-        self.remade0, self.misses0 = c.remade, c.misses
+        self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
         return lines
 
     def after(self, capture: Any, cpu: Any, stats: Any) -> None:
@@ -142,7 +143,9 @@ class NativeBudget:
         persistent = self.plan.persistent_bytes if self.plan is not None else 0
         stats.peak_bytes = persistent + cpu.cpu_bytes()[1] - self.live0
         stats.planned_peak_bytes = self.plan.planned_peak if self.plan is not None else None
-        stats.recomputed_ops = capture.counters.remade - self.remade0
+        c = capture.counters
+        stats.recomputed_ops = c.remade - self.remade0
+        stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
         if self.plan is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
 

@@ -91,6 +91,7 @@ class TapeStats:
     run_ahead: RunAhead = RunAhead()
     planned_path: int | None = None  # which planned path it took (tape.report()'s row), if one
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
+    recompute_seconds: float = 0.0  # their time (native backend: the plan expected its extra_seconds)
     offloaded_storages: int = 0  # storages parked on the host in the latest step
     copy_wait_seconds: float = 0.0  # of the latest step: the executor waiting for copies
     # the latest co-executed step from entry to its end (drained), and the plan's prediction
@@ -296,9 +297,9 @@ class GradientTape:
     run on, call :func:`coexec.synchronize` before reading model state outside a step),
     ``backend`` (``"interpret"``, the default: traced into a TraceGraph, co-executed by the
     Python skeleton with plans; ``"native"``: every step's ATen ops answered by a C++ kernel
-    and computed by a C++ worker, ``executor/capture.py``; no TraceGraph, plans, arena or
-    budget yet, steps run eagerly until the native module is built; docs/coexec.md,
-    *Capture*), ``timeout`` (seconds any wait on the executor may take
+    and computed by a C++ worker, ``executor/capture.py``; no TraceGraph, arena or
+    offloading; a ``memory_budget`` is met by recomputation; steps run eagerly until the
+    native module is built; docs/coexec.md, *Capture*), ``timeout`` (seconds any wait on the executor may take
     before it becomes an error), ``debug`` (print phase changes, fallbacks and budget plans to stderr),
     ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can

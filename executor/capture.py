@@ -76,6 +76,7 @@ class CaptureCounters(NamedTuple):
     backward_calls: int  # plain ``loss.backward()`` calls in captured steps (a block may answer)
     dropped: int  # values a memory plan dropped (:meth:`Capture.follow`)
     remade: int  # dropped values made again (read after their drop)
+    remade_seconds: float  # the time their ops took, on whichever thread read them
 
 
 class Capture:
@@ -108,12 +109,12 @@ class Capture:
 
     @property
     def counters(self) -> CaptureCounters:
-        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls, dropped, remade = (
+        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls, dropped, remade, remade_ns = (
             self._c.counters
         )
         return CaptureCounters(
             ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9, blocks,
-            calls, dropped, remade,
+            calls, dropped, remade, remade_ns * 1e-9,
         )  # fmt: skip
 
     def describe_next(self) -> None:

@@ -158,3 +158,15 @@ def offload_conflicts(o: OffloadCandidate, cands: list[Candidate], cascade: Casc
         if o.sid in c.inputs
         and (c.recompute_at in off or any(p in off for p, _e in cascade.points.get(c.op, ())))
     ]
+
+
+def remake_points(c: Candidate, cascade: Cascade) -> list[tuple[int, tuple]]:
+    """Where a dropped candidate's op may run again, each with the term under which its
+    kernel's temporary bytes (``OpNode.workspace``: a convolution's columns) are counted there,
+    beside what is resident: its recompute point (``("drop", op)``) and each point of a chain
+    of dropped readers that may reach it (``("reach", op, point)``: made again by then). The
+    op runs once, at the first of them that holds; counting it at every one that holds is an
+    upper bound the simulator and the solver share (``planner.simulate.holds``)."""
+    points = {p: ("reach", c.op, p) for p, _ in cascade.points.get(c.op, ())}
+    points[c.recompute_at] = ("drop", c.op)
+    return sorted(points.items())

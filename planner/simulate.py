@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .candidates import Candidate, Cascade, offload_conflicts
+from .candidates import Candidate, Cascade, offload_conflicts, remake_points
 from .errors import InvalidPlan
 from .graph import ESCAPING, LOCAL, PERSISTENT, PlanningGraph
 from .offload import OffloadCandidate
@@ -140,7 +140,12 @@ def replay(
         run_local += delta_local[i]
         live.append(run)
         peak_local = max(peak_local, run_local)
-    work = [live[i] + g.ops[order[i]].workspace for i in range(n)]
+    remaking = [0] * (n + 1)  # the temporary bytes of the kernels that make dropped values again
+    for c in dropped:
+        for at, term in remake_points(c, cascade) if g.ops[c.op].workspace else ():
+            if holds(term, chosen, parked, cascade, memo):
+                remaking[at] += g.ops[c.op].workspace
+    work = [live[i] + g.ops[order[i]].workspace + remaking[i] for i in range(n)]
     peak_at = max(range(n), key=work.__getitem__) if n else 0
     peak = g.persistent_bytes + (work[peak_at] if n else 0)
     arena_end = 0

@@ -241,11 +241,11 @@ class Capture {
   // ops seen, misses (answered by running them, or by meta kernels where nothing is computed),
   // ops run at once, nanoseconds in the kernel, ops the tape holds, nanoseconds waiting for the
   // worker, nanoseconds the worker ran ops, backward() calls answered by a gradient block,
-  // plain backward() calls in all
+  // plain backward() calls in all, values dropped, values made again and the time that took
   py::tuple counters() const {
     return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
                           worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_,
-                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load());
+                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load());
   }
 
   // -- gradient blocks (capture_blocks.h) --

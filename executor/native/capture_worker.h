@@ -226,6 +226,7 @@ struct Recipe {
 };
 
 std::atomic<int64_t> g_remade{0};  // values made again (in all)
+std::atomic<int64_t> g_remade_ns{0};  // the time their ops took
 // On the worker: recipes used up there, whose arguments Python may hold too (a parameter): let
 // go of like a taped op's (Worker::bury), not on the worker, where that would take the GIL.
 thread_local std::vector<std::shared_ptr<Recipe>>* t_used_recipes = nullptr;
@@ -279,6 +280,7 @@ const at::Tensor& value_of(Slot& s) {
   c10::impl::ForceDispatchKeyGuard no_capture(off, tls.excluded_);
   at::AutoDispatchBelowADInplaceOrView below;
   const TapeEntry& e = r->entry;
+  const auto t0 = std::chrono::steady_clock::now();
   run_op(e, [&r](uint32_t i, const at::Tensor& t) {
     auto o = r->outs[i].lock();
     if (o && !o->real.defined()) {
@@ -287,6 +289,7 @@ const at::Tensor& value_of(Slot& s) {
     }
   }, nullptr);
   g_remade.fetch_add(1, std::memory_order_relaxed);
+  g_remade_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
   if (t_used_recipes != nullptr) t_used_recipes->push_back(std::move(r));
   return s.real;
 }

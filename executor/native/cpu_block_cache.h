@@ -9,6 +9,7 @@
 #pragma once
 
 #include <c10/core/Allocator.h>
+#include <pthread.h>
 
 #include <cstdint>
 #include <iterator>
@@ -33,7 +34,7 @@ class CPUBlockCache {
  public:
   static constexpr size_t kMinBytes = 64 * 1024;  // (smaller blocks stay in malloc's bins)
 
-  explicit CPUBlockCache(c10::Allocator* base) : base_(base) {}
+  explicit CPUBlockCache(c10::Allocator* base) : base_(base) { guard_forks(); }
 
   // Whether an allocation of n bytes on this thread goes through the cache.
   static bool wants(size_t n) { return t_cache_blocks && n >= kMinBytes; }
@@ -96,6 +97,16 @@ class CPUBlockCache {
       delete last->second;
       free_.erase(last);
     }
+  }
+
+  // A fork while another thread holds the lock would leave it held for good in the child (a
+  // DataLoader worker that frees a tensor there would hang): it is taken around fork(), as glibc
+  // does for its arenas. (One cache per process: the counting allocator's, never destroyed.)
+  void guard_forks() {
+    static CPUBlockCache* guarded = nullptr;
+    if (guarded != nullptr) return;
+    guarded = this;
+    pthread_atfork([] { guarded->mu_.lock(); }, [] { guarded->mu_.unlock(); }, [] { guarded->mu_.unlock(); });
   }
 
   static void give_back(void* context) {

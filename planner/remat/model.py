@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ..candidates import Candidate, Cascade
+from ..candidates import Candidate, Cascade, remake_points
 from ..offload import OffloadCandidate, channel_shares
 from ..simulate import Term, residency, with_offloads
 from .paths import OFFLOAD_COST, RematPath, cost, offload_key, sizer
@@ -112,6 +112,15 @@ class Model:
         if p.placed is not None:  # the arena's storages apart from the rest (workspace is out)
             classes = {"out": (fixed, [], [0] * (n + 1)), "in": ([0] * n, [], [0] * (n + 1))}
         size_of = sizer(g, p.placed)
+        remaking: list[int] = []  # (a remake's temporary bytes, as pieces of negative ids: not storages)
+        for c in cands:
+            work = g.ops[c.op].workspace
+            for at, term in remake_points(c, cascade) if work else ():
+                remaking.append(work)
+                piece = (-len(remaking), at, at + 1, self._lit(i, p, term))
+                classes["all" if p.placed is None else "out"][1].append(piece)
+        if remaking:
+            size_of = _with_remaking(size_of, remaking)
         for sid, a, b, ts in with_offloads(residency(g, order, cands, cascade), offs):
             size = size_of(sid)
             _fixed, pieces, delta = classes["all" if p.placed is None else "in" if sid in p.placed else "out"]
@@ -294,3 +303,8 @@ class Model:
         if status in (self.cp.OPTIMAL, self.cp.FEASIBLE):
             chosen = {k for k, var in decisions.items() if solver.Value(var)}
         return solver, status, chosen
+
+
+def _with_remaking(size_of: Callable[[int], int], remaking: list[int]) -> Callable[[int], int]:
+    """``size_of`` that also sizes the remakes' temporary bytes (piece ``-k``: ``remaking[k - 1]``)."""
+    return lambda sid: remaking[-sid - 1] if sid < 0 else size_of(sid)

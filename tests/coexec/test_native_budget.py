@@ -49,6 +49,7 @@ def _train_until_planned(tape: coexec.GradientTape, eager: dict, captured: dict,
         if tape.stats.planned_peak_bytes is not None:
             planned += 1
             recomputed.append(tape.stats.recomputed_ops)
+            assert (tape.stats.recompute_seconds > 0) == (tape.stats.recomputed_ops > 0)
         else:
             time.sleep(0.02)  # (the planning process starting)
         i += 1

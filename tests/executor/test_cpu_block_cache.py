@@ -80,3 +80,28 @@ def test_the_counted_bytes_leave_out_what_the_cache_keeps() -> None:
     assert live_after == live
     assert peak - live >= 2 * 512 * 256 * 4  # (a layer's input and its output at once)
     assert cpu.cpu_block_cache()["cached"] >= 2 * 512 * 256 * 4
+
+
+def test_a_forked_child_frees_the_workers_blocks() -> None:
+    """A DataLoader worker forked from a training process may free tensors the capture worker
+    allocated: the cache's lock is taken around ``fork()`` (``pthread_atfork``), so the child
+    never inherits it held."""
+    import os
+    import time
+
+    capture = Capture()
+    w, x = torch.randn(256, 256) / 16, torch.randn(512, 256)
+    for _ in range(2):
+        with capture.step():
+            h = torch.tanh(x @ w)
+        h.sum().item()
+    pid = os.fork()
+    if pid == 0:  # (the child: free the worker's block, then exit at once)
+        del h
+        os._exit(0)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0

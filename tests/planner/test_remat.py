@@ -100,17 +100,29 @@ def test_mutated_ops_are_never_dropped_random_ones_may_be():
     assert sorted(c.op for c in candidates(g, order)) == [0, 1]
 
 
+def with_workspace(g, rng: random.Random):
+    """Kernels' temporary bytes on some ops: counted where each runs, and again where a
+    dropped one is made again (``planner.candidates.remake_points``)."""
+    for op in g.ops:
+        op.workspace = rng.choice([0, 0, 2, 5, 9])
+    return g
+
+
+@pytest.mark.parametrize("work", [False, True], ids=["no workspace", "workspace"])
 @pytest.mark.parametrize("rows", ["dense", "running"])
 @pytest.mark.parametrize("seed", range(12))
-def test_plan_matches_exhaustive_search(seed, rows, monkeypatch):
+def test_plan_matches_exhaustive_search(seed, rows, work, monkeypatch):
     """Optimal against exhaustive search, with the memory rows in either form: every storage
-    in play listed (small and mid graphs) or running sums (large ones, forced here)."""
+    in play listed (small and mid graphs) or running sums (large ones, forced here), and with
+    kernels' temporary bytes."""
     import planner.remat as remat
 
     if rows == "running":
         monkeypatch.setattr(remat.model, "MAX_DENSE_TERMS", 0)
     rng = random.Random(seed)
     g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
+    if work:
+        with_workspace(g, rng)
     order = list(range(len(g)))
     cands = candidates(g, order)
     assert 0 < len(cands) <= 12
@@ -129,15 +141,18 @@ def test_plan_matches_exhaustive_search(seed, rows, monkeypatch):
         assert plan.optimal
 
 
+@pytest.mark.parametrize("work", [False, True], ids=["no workspace", "workspace"])
 @pytest.mark.parametrize("rows", ["dense", "running"])
 @pytest.mark.parametrize("seed", range(8))
-def test_smallest_feasible_budget_is_exact_and_named(seed, rows, monkeypatch):
+def test_smallest_feasible_budget_is_exact_and_named(seed, rows, work, monkeypatch):
     import planner.remat as remat
 
     if rows == "running":
         monkeypatch.setattr(remat.model, "MAX_DENSE_TERMS", 0)
     rng = random.Random(100 + seed)
     g = training_graph(rng, depth=rng.randint(3, 7), skips=rng.randint(0, 2))
+    if work:
+        with_workspace(g, rng)
     order = list(range(len(g)))
     cands = candidates(g, order)
     brute = min(
