@@ -92,3 +92,30 @@ def test_a_budget_no_plan_meets_names_the_smallest_at_the_next_step() -> None:
 def test_offloading_is_refused_on_the_native_backend() -> None:
     with pytest.raises(ValueError, match="recomputation only"):
         coexec.GradientTape(backend="native", memory_budget="1GB", offload=True)
+
+
+def test_each_dropped_storage_is_freed_after_its_own_last_need() -> None:
+    """An op's outputs may be needed to different points before its recompute: the worker frees
+    each after its own last need, as the simulator counts them (freeing both after the later
+    one held a ResNet-50 weight gradient 2 MB past the plan, over its budget)."""
+    from coexec.native_budget import drop_places
+    from planner import Access, PlanningGraph, StorageFacts, plan_remat, replay
+
+    ops = [
+        Access("two", 1.0, (0,), (), (1, 2)),  # a and b
+        Access("last_of_a", 1.0, (1,), (), (3,)),
+        Access("last_of_b", 1.0, (2, 3), (), (4,)),
+        Access("big", 1.0, (4,), (), (5,)),
+        Access("shrink", 1.0, (5,), (), (6,)),
+        Access("both_again", 1.0, (6, 1, 2), (), (7,)),
+    ]
+    sizes_released = ((100, 5), (100, 5), (10, 2), (10, 3), (300, 4), (10, 5))
+    storages = [StorageFacts(10, True)] + [StorageFacts(n, False, released=r) for n, r in sizes_released]
+    storages.append(StorageFacts(10, False, alive_at_end=True))
+    g = PlanningGraph.from_accesses(ops, storages)
+    kept = replay(g, list(range(len(g)))).peak
+    plan = plan_remat(g, kept - 100)
+    assert [c.op for c in plan.dropped] == [0]
+    assert drop_places(g, plan) == {1: [1], 2: [2]}
+    sim = replay(g, plan.order, dropped=plan.dropped)
+    assert sim.live[2] == 100 + 10 + 10  # (b, and what last_of_a and last_of_b made: a is gone)
