@@ -227,6 +227,9 @@ struct Recipe {
 
 std::atomic<int64_t> g_remade{0};  // values made again (in all)
 std::atomic<int64_t> g_remade_ns{0};  // the time their ops took
+// Remakes running on this thread: one inside another (a dropped input of a dropped value, made
+// while the outer one gathers its arguments) is in the outer one's time, not counted again.
+thread_local int t_remaking = 0;
 // On the worker: recipes used up there, whose arguments Python may hold too (a parameter): let
 // go of like a taped op's (Worker::bury), not on the worker, where that would take the GIL.
 thread_local std::vector<std::shared_ptr<Recipe>>* t_used_recipes = nullptr;
@@ -281,6 +284,10 @@ const at::Tensor& value_of(Slot& s) {
   at::AutoDispatchBelowADInplaceOrView below;
   const TapeEntry& e = r->entry;
   const auto t0 = std::chrono::steady_clock::now();
+  struct Nested {
+    bool outer = t_remaking++ == 0;
+    ~Nested() { --t_remaking; }
+  } nested;
   run_op(e, [&r](uint32_t i, const at::Tensor& t) {
     auto o = r->outs[i].lock();
     if (o && !o->real.defined()) {
@@ -289,7 +296,7 @@ const at::Tensor& value_of(Slot& s) {
     }
   }, nullptr);
   g_remade.fetch_add(1, std::memory_order_relaxed);
-  g_remade_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
+  if (nested.outer) g_remade_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
   if (t_used_recipes != nullptr) t_used_recipes->push_back(std::move(r));
   return s.real;
 }

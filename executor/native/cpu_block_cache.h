@@ -11,6 +11,7 @@
 #include <c10/core/Allocator.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <iterator>
 #include <map>
