@@ -533,8 +533,13 @@ class GradientTape:
         freed when the program let go of it), the planned peak (the planned order, persistent
         state and the whole arena included), the arena and its fragmentation, the blocks run
         in a planned order, the predicted step time. Without a plan in use (``arena=False``, or
-        before the first one arrives), the paths are planned now, without a budget."""
+        before the first one arrives), the paths are planned now, without a budget. On the native
+        backend: the described path's memory plan under a ``memory_budget`` (no arena, no
+        blocks: those keys are None), once it arrived; nothing without a budget."""
         program = self._program
+        if program is not None and program.native_budget is not None:
+            plan = program.native_budget.plan
+            return [] if plan is None else [_native_report(plan)]
         if program is None or not program.paths:
             return []
         schedule = program.schedule
@@ -625,6 +630,23 @@ class _TracingRecorder(Recorder):
 
 class _ProgramSkeleton(Skeleton):
     on_external = staticmethod(_meet)
+
+
+def _native_report(plan: Any) -> dict:
+    """``report()``'s row for a native-backend memory plan (``coexec.native_budget``)."""
+    return {
+        "path": 0,
+        "ops": len(plan.drops.ops),
+        "eager peak": plan.eager_peak,
+        "planned peak": plan.planned_peak,
+        "arena": None,
+        "arena used by this path": None,
+        "fragmentation": None,
+        "planned blocks": None,
+        "predicted seconds": plan.predicted_seconds,
+        "recomputed": plan.recomputed,
+        "offloaded": 0,
+    }
 
 
 def _check_native_options(sync: str, arena: bool | None, memory_budget: Any, offload: bool | None) -> None:

@@ -73,6 +73,9 @@ def test_steps_under_a_budget_recompute_and_stay_within_it() -> None:
     s = tape.stats
     assert all(r > 0 for r in recomputed)
     assert s.planned_peak_bytes <= budget and s.peak_bytes <= budget and s.over_budget_steps == 0
+    (row,) = tape.report()
+    assert row["planned peak"] == s.planned_peak_bytes < row["eager peak"]
+    assert row["recomputed"] > 0 and row["predicted seconds"] > 0 and row["arena"] is None
 
 
 def test_a_budget_no_plan_meets_names_the_smallest_at_the_next_step() -> None:
