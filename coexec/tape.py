@@ -651,9 +651,11 @@ def _native_report(plan: Any) -> dict:
 
 def _check_native_options(sync: str, arena: bool | None, memory_budget: Any, offload: bool | None) -> None:
     """The options the native backend cannot honour yet say so, rather than being ignored."""
-    unplanned = "the native backend does not follow plans yet (issue 16); backend='interpret' does"
     if arena:
-        raise ValueError(f"arena=True: {unplanned}")
+        raise ValueError(
+            "arena=True: the native backend runs ops as issued, each output from the allocator "
+            "(it plans memory by recomputation under a memory_budget); backend='interpret' plans an arena"
+        )
     if offload:
         raise ValueError(
             "offload=True: the native backend meets a memory budget by recomputation only for now; "

@@ -165,7 +165,7 @@ def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"arena": True}, "arena=True: the native backend does not follow plans yet"),
+        ({"arena": True}, "arena=True: the native backend runs ops as issued"),
         (
             {"memory_budget": "1GB", "offload": True},
             "offload=True: the native backend meets a memory budget by recomputation only",
