@@ -7,7 +7,7 @@ took the GIL from the skeleton and the executor and made the steps around it up 
 request and waits on a pipe, which releases the GIL; each new path was pickled by the step's
 thread when it asked for the plan (:meth:`PlanProcess.encode`).
 
-The child (``python -m coexec.plan_process``) keeps every path's trace it was sent, so each
+The child (:func:`child_command`) keeps every path's trace it was sent, so each
 trace crosses the pipe once; a trace the program lets go of is forgotten in the child with the
 next request. Ops are pickled by name (``aten::add.Tensor``), so
 the child needs no state of the training process. Anything that goes wrong with the child
@@ -160,10 +160,7 @@ class PlanProcess:
         if self._proc is not None:
             self.close()
         env = {**os.environ, "PYTHONPATH": _child_path()}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "coexec.plan_process"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-        )  # fmt: skip
+        self._proc = subprocess.Popen(child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         return self._proc
 
     def _job(self, req: PlanRequest) -> Job:
@@ -216,6 +213,13 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         except Exception as e:  # noqa: BLE001  (said to the training process, which plans itself)
             payload = dumps(f"the plan could not be sent back ({type(e).__name__}: {e})")
         _write(out, payload)
+
+
+def child_command() -> list[str]:
+    """The child's command line. Not ``python -m coexec.plan_process``: importing the package
+    imports this module first (coexec.native_plans does), and runpy then warns on every start
+    that it runs a module already imported ("may result in unpredictable behaviour")."""
+    return [sys.executable, "-c", "from coexec.plan_process import main; main()"]
 
 
 def main() -> None:

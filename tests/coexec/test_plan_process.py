@@ -206,3 +206,15 @@ def test_a_module_of_the_users_named_like_one_the_child_imports_does_not_stop_it
         assert result.error is None and result.pid not in (None, os.getpid())
     finally:
         proc.close()
+
+
+def test_the_child_starts_without_warnings_and_ends_when_the_pipe_closes() -> None:
+    """``python -m coexec.plan_process`` made runpy warn on every start (the package imports the
+    module before runpy runs it): users saw a RuntimeWarning whenever a plan was made."""
+    import subprocess
+
+    from coexec.plan_process import _child_path, child_command
+
+    env = {**os.environ, "PYTHONPATH": _child_path()}
+    done = subprocess.run(child_command(), input=b"", capture_output=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0 and done.stderr == b"", done.stderr.decode()
