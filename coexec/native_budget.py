@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from executor.step_plans import DropPlan, StepDescription
 from planner import Access, PlanningGraph, RematPlan, StorageFacts, plan_remat, replay
-from planner.simulate import needed_at
 
 
 @dataclass(frozen=True)
@@ -71,18 +70,14 @@ def planning_graph(d: StepDescription) -> PlanningGraph:
     return PlanningGraph.from_accesses(accesses, facts)
 
 
-def drop_places(g: PlanningGraph, plan: RematPlan) -> dict[int, list[int]]:
-    """Per op (its place in the step), the storages of dropped ops to free right after it: each
-    after its own last need before its op's recompute point, as the simulator frees them (an
-    op's outputs may be needed to different points: a convolution's weight gradient once
-    detached into ``.grad``, its input gradient by the next add; freeing both after the later
-    held the first 2 MB past the plan in a ResNet-50 step, over its budget)."""
-    needs = needed_at(g, plan.order)
+def drop_places(plan: RematPlan) -> dict[int, list[int]]:
+    """Per op (its place in the step), the storages of dropped ops to free right after it, as
+    the default backend frees them (:meth:`planner.RematPlan.freed_after`: a convolution's
+    weight gradient once detached into ``.grad``, its input gradient after the next add;
+    freeing both after the later held the first 2 MB past a ResNet-50 plan, over its budget)."""
     places: dict[int, list[int]] = {}
-    for c in plan.dropped:
-        for sid in c.storages:
-            last = max(p for p in needs[sid] if p < c.recompute_at)
-            places.setdefault(plan.order[last], []).append(sid)
+    for sid, at in plan.freed_after().items():
+        places.setdefault(plan.order[at], []).append(sid)
     return places
 
 
@@ -99,7 +94,7 @@ def plan_native_budget(d: StepDescription, budget: int, time_limit: float = 10.0
             values_of.setdefault(sid, []).append(value)
     keep: set[int] = set()
     after: dict[int, list[int]] = {}
-    for place, sids in drop_places(g, plan).items():
+    for place, sids in drop_places(plan).items():
         values = [v for sid in sids for v in values_of.get(sid, ())]
         keep.update(values)
         after.setdefault(place, []).extend(values)

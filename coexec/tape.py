@@ -538,29 +538,22 @@ class GradientTape:
         blocks: those keys are None), once it arrived; nothing without a budget."""
         program = self._program
         if program is not None and program.native_budget is not None:
-            plan = program.native_budget.plan
-            return [] if plan is None else [_native_report(plan)]
+            plan = program.native_budget.plan  # (coexec.native_budget: no arena, no blocks)
+            if plan is None:
+                return []
+            return [_report_row(0, len(plan.drops.ops), plan.eager_peak, plan.planned_peak, plan.predicted_seconds, plan.recomputed)]
         if program is None or not program.paths:
             return []
         schedule = program.schedule
         if schedule is None or len(schedule.paths) != len(program.paths):
             schedule = plan_program(program.paths)
         return [
-            {
-                "path": i,
-                "ops": p.ops,
-                "eager peak": p.eager_peak,
-                "planned peak": p.planned_peak,
-                "arena": schedule.arena_bytes,
-                "arena used by this path": p.arena_end,
-                "fragmentation": schedule.fragmentation,
-                "planned blocks": p.blocks,
-                "predicted seconds": p.predicted_seconds,
-                "recomputed": p.recomputed,
-                "offloaded": p.offloaded,
-            }
+            _report_row(
+                i, p.ops, p.eager_peak, p.planned_peak, p.predicted_seconds, p.recomputed, p.offloaded,
+                schedule.arena_bytes, p.arena_end, schedule.fragmentation, p.blocks,
+            )
             for i, p in enumerate(schedule.paths)
-        ]
+        ]  # fmt: skip
 
     @property
     def graph(self) -> TraceGraph | None:
@@ -632,20 +625,24 @@ class _ProgramSkeleton(Skeleton):
     on_external = staticmethod(_meet)
 
 
-def _native_report(plan: Any) -> dict:
-    """``report()``'s row for a native-backend memory plan (``coexec.native_budget``)."""
+def _report_row(
+    path: int, ops: int, eager_peak: int, planned_peak: int, predicted_seconds: float, recomputed: int,
+    offloaded: int = 0, arena: int | None = None, arena_used: int | None = None,
+    fragmentation: float | None = None, blocks: int | None = None,
+) -> dict:
+    """One path's row of ``report()`` (the native backend's has no arena and no blocks)."""
     return {
-        "path": 0,
-        "ops": len(plan.drops.ops),
-        "eager peak": plan.eager_peak,
-        "planned peak": plan.planned_peak,
-        "arena": None,
-        "arena used by this path": None,
-        "fragmentation": None,
-        "planned blocks": None,
-        "predicted seconds": plan.predicted_seconds,
-        "recomputed": plan.recomputed,
-        "offloaded": 0,
+        "path": path,
+        "ops": ops,
+        "eager peak": eager_peak,
+        "planned peak": planned_peak,
+        "arena": arena,
+        "arena used by this path": arena_used,
+        "fragmentation": fragmentation,
+        "planned blocks": blocks,
+        "predicted seconds": predicted_seconds,
+        "recomputed": recomputed,
+        "offloaded": offloaded,
     }
 
 

@@ -462,9 +462,9 @@ def _agreed_plans(paths, storage_keys, budget, time_limit, banned, bandwidth):
         for path, skeys, plan in zip(paths, storage_keys, plans):
             for c in plan.dropped:
                 for sid in c.storages:
-                    early_end = plan.segments[sid][0][1]
-                    drop_at.setdefault(skeys[sid], set()).add(path.key(path.order[early_end]))
                     owner[skeys[sid]] = path.key(c.op)
+            for sid, early_end in plan.freed_after().items():
+                drop_at.setdefault(skeys[sid], set()).add(path.key(path.order[early_end]))
             for o in plan.offloaded:
                 moved_at.setdefault(skeys[o.sid], set()).add(offload_window(path, o))
                 owner[skeys[o.sid]] = offload_key(path, o)

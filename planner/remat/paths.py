@@ -39,6 +39,12 @@ class RematPlan:
     def optimal(self) -> bool:
         return self.method in ("none", "cp-sat")
 
+    def freed_after(self) -> dict[int, int]:
+        """Per storage of a dropped op, the position after which the executor frees it: the
+        end of its first stretch on the device in the plan's replay (each after its own last
+        need before its op runs again: an op's outputs may be needed to different points)."""
+        return {sid: self.segments[sid][0][1] for c in self.dropped for sid in c.storages}
+
 
 def predict(g: PlanningGraph, order: list[int], dropped: list[Candidate], offloaded: list[OffloadCandidate]) -> tuple[float, float]:
     """:func:`planner.offload.predict_seconds` of a plan: (step seconds, of which stalls).

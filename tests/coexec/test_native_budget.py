@@ -119,6 +119,6 @@ def test_each_dropped_storage_is_freed_after_its_own_last_need() -> None:
     kept = replay(g, list(range(len(g)))).peak
     plan = plan_remat(g, kept - 100)
     assert [c.op for c in plan.dropped] == [0]
-    assert drop_places(g, plan) == {1: [1], 2: [2]}
+    assert drop_places(plan) == {1: [1], 2: [2]}
     sim = replay(g, plan.order, dropped=plan.dropped)
     assert sim.live[2] == 100 + 10 + 10  # (b, and what last_of_a and last_of_b made: a is gone)
