@@ -120,7 +120,6 @@ class NativeBudget:
         if self.describing:
             capture.describe_next()
         capture.follow(None if self.plan is None else self.plan.drops)
-        cpu.count_cpu_bytes()  # (installed with the first capture worker: a no-op by now)
         cpu.reset_cpu_peak()
         self.live0 = cpu.cpu_bytes()[0]
         c = capture.counters

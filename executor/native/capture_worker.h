@@ -156,7 +156,7 @@ class StepLog {
     l.op = &op;
     l.at_once = at_once;
     l.random = op.hasTag(at::Tag::nondeterministic_seeded);
-    if (counting_cpu_bytes() != nullptr) CountingCPUAllocator::open_window();
+    CountingCPUAllocator::open_window();  // (installed with the worker: Worker's constructor)
     for (size_t i = 0; i < stack.size(); ++i) {
       const bool written = writes_argument(op, i);
       each_tensor(stack[i], [&](const at::Tensor& t) {
@@ -172,10 +172,8 @@ class StepLog {
   void finish(const torch::jit::Stack& out, const std::vector<const Slot*>& slots, int64_t ns) {
     LoggedOp& l = ops.back();
     l.ns = ns;
-    if (counting_cpu_bytes() != nullptr) {
-      const auto [peak, end] = CountingCPUAllocator::close_window();
-      l.workspace = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
-    }
+    const auto [peak, end] = CountingCPUAllocator::close_window();
+    l.workspace = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
     size_t k = 0;
     const auto one = [&](const at::Tensor& t) {
       const Slot* s = k < slots.size() ? slots[k] : nullptr;

@@ -104,20 +104,14 @@ class CountingCPUAllocator final : public c10::Allocator {
   }
 };
 
-inline std::atomic<CountingCPUAllocator*> g_counting{nullptr};
-
 // The process's counting allocator, installed at the first call.
 inline CountingCPUAllocator& count_cpu_bytes() {
   static CountingCPUAllocator* counting = [] {
     auto* a = new CountingCPUAllocator(c10::GetCPUAllocator());
     c10::SetCPUAllocator(a, /*priority=*/100);
-    g_counting.store(a);
     return a;
   }();
   return *counting;
 }
-
-// The counting allocator if it is installed (null: bytes are not counted).
-inline CountingCPUAllocator* counting_cpu_bytes() { return g_counting.load(std::memory_order_relaxed); }
 
 }  // namespace coexec
