@@ -155,7 +155,9 @@ class CoexecRun:
 
     def __init__(self, name: str, batch: int, budget, key, device: str, offload: bool = False, arena: bool | None = None):
         self.z = build(name, batch, device)
-        self.tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload, arena=arena)
+        self.tape = coexec.GradientTape(
+            backend="interpret", memory_budget=budget, key=key, offload=offload, arena=arena
+        )
         self.device = device
         for _ in range(4):  # trace, trace (momentum appears), covered, first co-executed
             self.step()

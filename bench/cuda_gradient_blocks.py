@@ -69,7 +69,7 @@ def main() -> None:
     me, oe, loss_e = make(device)
     mc, oc, loss_c = make(device)
     names = [n for n, _ in me.named_parameters()]
-    tape = coexec.GradientTape(arena=False)
+    tape = coexec.GradientTape(backend="interpret", arena=False)
 
     hooks = {"eager": 0, "coexec": 0}
 

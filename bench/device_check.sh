@@ -38,7 +38,7 @@ def make():
     return m, torch.optim.SGD(m.parameters(), lr=0.1)
 x, y = torch.randn(32, 64, device=dev), torch.randn(32, 1, device=dev)
 (me, oe), (mc, oc) = make(), make()
-tape = coexec.GradientTape()
+tape = coexec.GradientTape(backend="interpret")
 for i in range(8):
     le = F.mse_loss(me(x), y); le.backward(); oe.step(); oe.zero_grad()
     with tape:

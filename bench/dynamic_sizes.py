@@ -3,9 +3,10 @@
     python bench/dynamic_sizes.py [--programs reinforce,detection_boxes] [--steps 60] [--backend native]
                                   [--out bench/out]
 
-Per program, one instance trains eagerly and one under ``coexec.GradientTape()`` from the same
-seed, each for ``--steps`` steps (the eager run first, then the coexec run, each built just
-before it runs and timed as a whole). Columns, the figures issue 17 asks for:
+Per program, one instance trains eagerly and one under
+``coexec.GradientTape(backend="interpret")`` from the same seed, each for ``--steps`` steps (the
+eager run first, then the coexec run, each built just before it runs and timed as a whole).
+Columns, the figures issue 17 asks for:
 
 * ``traces``, ``fallbacks``, ``coexec steps``: from the tape's stats after the run;
 * ``warm-up``: the steps before the first co-executed one; ``co-executed after warm-up %``:

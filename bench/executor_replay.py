@@ -3,12 +3,12 @@
     python bench/executor_replay.py [--models gpt2-6l,mlp] [--batch 1] [--reps 25]
 
 Per zoo model, one co-executed step's instructions are captured as the skeleton submits them
-(the script wraps the executors' ``submit``: instrumentation, not part of coexec), once from a tape
-with a plan (the default: blocks in the planned order, outputs into the arena) and once from
-``GradientTape(arena=False)`` (ops run as issued, every output from the allocator). The user's
-thread then submits a captured step again and waits for it, so the executor runs it alone: no
-GIL to share, no skeleton issuing. The variants run interleaved, ``--reps`` times each, with an
-eager step of the same model between rounds; figures are medians:
+(the script wraps the executors' ``submit``: instrumentation, not part of coexec), once from a
+tape with a plan (the default: blocks in the planned order, outputs into the arena) and once
+from ``GradientTape(backend="interpret", arena=False)`` (ops run as issued, every output from
+the allocator). The user's thread then submits a captured step again and waits for it, so the
+executor runs it alone: no GIL to share, no skeleton issuing. The variants run interleaved,
+``--reps`` times each, with an eager step of the same model between rounds; figures are medians:
 
 * ``eager ms``: an eager step (Python dispatch and kernels: the work the replay also does);
 * ``planned``: the planned step's instructions as captured, on the executor the step ran on
@@ -140,9 +140,12 @@ def measure(name: str, batch: int, reps: int) -> dict:
     capture = Capture()
     capture.install()
     try:
-        planned = capture_step(ZOO[name](batch), coexec.GradientTape(key=("replay", name, batch)), capture)
+        tape = coexec.GradientTape(backend="interpret", key=("replay", name, batch))
+        planned = capture_step(ZOO[name](batch), tape, capture)
         unplanned = capture_step(
-            ZOO[name](batch), coexec.GradientTape(key=("replay", name, batch, "u"), arena=False), capture
+            ZOO[name](batch),
+            coexec.GradientTape(backend="interpret", key=("replay", name, batch, "u"), arena=False),
+            capture,
         )
     finally:
         capture.remove()

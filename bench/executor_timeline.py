@@ -86,7 +86,9 @@ def _native_runs(ex) -> None:  # noqa: ANN001
 
 def measure(name: str, batch: int, steps: int, planned: bool = False) -> dict:
     eager, co = ZOO[name](batch), ZOO[name](batch)
-    tape = coexec.GradientTape(arena=None if planned else False, key=("timeline", name, planned))
+    tape = coexec.GradientTape(
+        backend="interpret", arena=None if planned else False, key=("timeline", name, planned)
+    )
 
     parts: dict[str, float] = {}
 

@@ -4,10 +4,10 @@
                                     [--steps 15] [--threads 1]
 
 An 8-layer MLP (``--width`` units, GELU) trains on one batch, a copy eagerly and a copy under
-``coexec.GradientTape()``, from the same seed, taking steps in turn after warm-up (until the
-plan arrived). Adam and AdamW on a CPU read each parameter's ``state["step"]`` with ``.item()``
-once per step, a fetch; the skeleton answers those itself where it computed the counter too
-(coexec/mirrors.py). Columns (medians over the steps):
+``coexec.GradientTape(backend="interpret")``, from the same seed, taking steps in turn after
+warm-up (until the plan arrived). Adam and AdamW on a CPU read each parameter's
+``state["step"]`` with ``.item()`` once per step, a fetch; the skeleton answers those itself
+where it computed the counter too (coexec/mirrors.py). Columns (medians over the steps):
 
 * ``eager ms``; ``coexec/eager``: the median of the paired ratios;
 * ``stall ms``: per co-executed step, the skeleton waiting on the executor (fetches and the end
@@ -57,7 +57,7 @@ def make(name: str, batch: int, width: int):
 def measure(name: str, batch: int, width: int, steps: int) -> dict:
     eager_model, eager = make(name, batch, width)
     co_model, co = make(name, batch, width)
-    tape = coexec.GradientTape(key=("optimizer-steps", name))
+    tape = coexec.GradientTape(backend="interpret", key=("optimizer-steps", name))
 
     def coexec_step() -> None:
         with tape:

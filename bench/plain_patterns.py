@@ -2,18 +2,18 @@
 
     python bench/plain_patterns.py [--steps 8] [--only NAME,...]
 
-Each pattern is a small training step (three model families: an MLP with dropout and AdamW,
-an embedding model with Adam, a sequence model with a transformer layer, attention and RNNs)
-that uses one thing a real program does inside its step: gradient clipping, autocast,
-``.numpy()``, LR schedulers, evaluation under ``no_grad``, gradient accumulation, both kinds of
-checkpointing, ``GradScaler``, an EMA made with ``copy.deepcopy``, sampling, distributions,
-custom ``autograd.Function``s, hooks, ``autograd.grad`` with ``create_graph``, a
-``DataLoader``, padding masks, packed sequences, ``nonzero``/``masked_select``/``unique``,
-FFT, linear algebra, complex numbers, dtype casts. Each runs ``--steps`` steps eagerly and
-under ``coexec.GradientTape()`` from the same seed; a line per pattern says whether the values
-it returns and the final parameters (and buffers) are bit-equal, or the error coexec raised,
-with the tape's co-executed steps, fallbacks and traces. (Patterns written while looking for
-crashes: each bug they found has its own test in tests/coexec/test_ordinary_code.py.)
+Each pattern is a small training step (three model families: an MLP with dropout and AdamW, an
+embedding model with Adam, a sequence model with a transformer layer, attention and RNNs) that
+uses one thing a real program does inside its step: gradient clipping, autocast, ``.numpy()``,
+LR schedulers, evaluation under ``no_grad``, gradient accumulation, both kinds of checkpointing,
+``GradScaler``, an EMA made with ``copy.deepcopy``, sampling, distributions, custom
+``autograd.Function``s, hooks, ``autograd.grad`` with ``create_graph``, a ``DataLoader``,
+padding masks, packed sequences, ``nonzero``/``masked_select``/``unique``, FFT, linear algebra,
+complex numbers, dtype casts. Each runs ``--steps`` steps eagerly and under
+``coexec.GradientTape(backend="interpret")`` from the same seed; a line per pattern says whether
+the values it returns and the final parameters (and buffers) are bit-equal, or the error coexec
+raised, with the tape's co-executed steps, fallbacks and traces. (Patterns written while looking
+for crashes: each bug they found has its own test in tests/coexec/test_ordinary_code.py.)
 """
 # ruff: noqa: B006
 
@@ -544,7 +544,8 @@ def run(prog, make, steps: int, use: bool):
             d.clear()
     m, opt = make()
     torch.manual_seed(123)
-    tape = coexec.GradientTape(key=("plain-patterns", prog.__name__)) if use else None
+    key = ("plain-patterns", prog.__name__)
+    tape = coexec.GradientTape(backend="interpret", key=key) if use else None
     vals = []
     for i in range(steps):
         if tape is None:

@@ -4,9 +4,9 @@
 
 Per zoo model and batch size, copies of the model from the same seed train side by side in one
 process, each drawing from its own random stream: one eagerly, one under
-``coexec.GradientTape()`` (no budget: the planned order and the arena), one without a plan.
-After the coexec run's plan has arrived (``coexec.wait_for_plans``), they take ``--pairs``
-steps in turn. Columns:
+``coexec.GradientTape(backend="interpret")`` (no budget: the planned order and the arena), one
+without a plan. After the coexec run's plan has arrived (``coexec.wait_for_plans``), they take
+``--pairs`` steps in turn. Columns:
 
 * ``eager MB``: eager PyTorch's resident peak of one step, persistent state included
   (``planner.tracker.eager_peak``, the live-storage tracker);
@@ -17,9 +17,9 @@ steps in turn. Columns:
 * ``vs planned``: measured / planned; ``reduction``: 1 - measured / eager;
 * ``frag %``: the arena's bytes over the most its storages hold at once, minus 1;
 * ``eager ms``: the median eager step; ``coexec/eager``: the median of the paired ratios;
-* ``unplanned/eager``, ``unplanned MB``: a third copy under ``GradientTape(arena=False)``, the
-  runtime without a plan (ops run as issued, every output from the allocator), in the same
-  pairs: what the plan costs or saves in time, side by side;
+* ``unplanned/eager``, ``unplanned MB``: a third copy under ``GradientTape(backend="interpret",
+  arena=False)``, the runtime without a plan (ops run as issued, every output from the
+  allocator), in the same pairs: what the plan costs or saves in time, side by side;
 * ``ran ahead %``: of the co-executed step's deferred ops, the share the executor ran before
   their block was complete (as the skeleton issued them); ``waits issue/bytes/region``: the ops
   at which running ahead stopped, because the plan's next op was not issued yet, because it
@@ -59,8 +59,10 @@ def timed(step) -> tuple[float, torch.Tensor]:
 
 def measure(name: str, batch: int, pairs: int) -> dict:
     eager, co, unplanned = ZOO[name](batch), ZOO[name](batch), ZOO[name](batch)
-    tape = coexec.GradientTape(key=("planned-memory", name, batch))
-    loose = coexec.GradientTape(key=("planned-memory", name, batch, "unplanned"), arena=False)
+    tape = coexec.GradientTape(backend="interpret", key=("planned-memory", name, batch))
+    loose = coexec.GradientTape(
+        backend="interpret", key=("planned-memory", name, batch, "unplanned"), arena=False
+    )
     eager.step = OwnRandomStream()(eager.step)
     own = OwnRandomStream()
 

@@ -11,23 +11,23 @@ trace, on the step's critical path:
 * LBFGS: ``optimizer.step(closure)`` on a small regression, where each step runs the closure
   up to 20 times and the optimizer reads many scalars (``.item()``) between them.
 
-Each program runs eagerly, under ``coexec.GradientTape(arena=False)`` (no plans: what tracing and
-co-execution cost alone), and under ``coexec.GradientTape()`` (same seed, same process), each
-``--repeat`` times, interleaved; a step's time is its median over the runs (on a 2-core machine
-one step varies by a third between runs). The script prints per program: the median eager
-step, the slowest co-executed or fallback step, their ratio, how many steps took over 3x the
-median eager step, the most that planning added to one step (its time minus the same step's
-time without plans: same seed, so the same episodes and traces; co-executed steps with plans
-also run in the arena), the largest difference between two runs of one step in that mode
-(how much of "added" is noise), the time steps waited for a plan
-(``tape.stats.plan_wait_seconds``), and the CPU time this process spent on plans over all
-steps (``tape.stats.plan_local_seconds``: the step that made a new path pickling it for the
-planning process, and the planner thread sending requests and reading plans beside the steps,
-without garbage collections; the most of a run), and the most one plan took (each new trace asks for one; its ratio to the
-median eager step is what planning takes from a step in this process).
-With ``--debug`` the tape logs plans starting and arriving in the background; with
-``--thread`` a fourth run makes the plans on the planner thread, as when the planning process
-cannot start (coexec/plan_process.py), sharing the GIL with the steps.
+Each program runs eagerly, under ``coexec.GradientTape(backend="interpret", arena=False)`` (no
+plans: what tracing and co-execution cost alone), and under
+``coexec.GradientTape(backend="interpret")`` (same seed, same process), each ``--repeat`` times,
+interleaved; a step's time is its median over the runs (on a 2-core machine one step varies by a
+third between runs). The script prints per program: the median eager step, the slowest
+co-executed or fallback step, their ratio, how many steps took over 3x the median eager step,
+the most that planning added to one step (its time minus the same step's time without plans:
+same seed, so the same episodes and traces; co-executed steps with plans also run in the arena),
+the largest difference between two runs of one step in that mode (how much of "added" is noise),
+the time steps waited for a plan (``tape.stats.plan_wait_seconds``), and the CPU time this
+process spent on plans over all steps (``tape.stats.plan_local_seconds``: the step that made a
+new path pickling it for the planning process, and the planner thread sending requests and
+reading plans beside the steps, without garbage collections; the most of a run), and the most
+one plan took (each new trace asks for one; its ratio to the median eager step is what planning
+takes from a step in this process). With ``--debug`` the tape logs plans starting and arriving
+in the background; with ``--thread`` a fourth run makes the plans on the planner thread, as when
+the planning process cannot start (coexec/plan_process.py), sharing the GIL with the steps.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def main() -> None:
         for r in range(args.repeat):
             for mode, tape_args in modes:
                 if tape_args is not None:
-                    tape_args = {**tape_args, "debug": args.debug}
+                    tape_args = {**tape_args, "debug": args.debug, "backend": "interpret"}
                     PLANNER._in_process = tape_args.pop(THREAD, False)
                 LOCAL.clear()
                 runs[mode].append(fn(n, tape_args))

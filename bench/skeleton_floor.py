@@ -126,7 +126,7 @@ def main() -> None:
         with record():
             step()
 
-    tape = coexec.GradientTape(key="skeleton-floor")
+    tape = coexec.GradientTape(backend="interpret", key="skeleton-floor")
     native_tape = coexec.GradientTape(key="skeleton-floor-native", backend="native")
     rows = [
         ("eager", per_op(step, ops, args.repeats)),
@@ -142,7 +142,7 @@ def main() -> None:
         print(f"| {name} | {v:.1f} | {v / rows[0][1]:.1f} |")
 
     update, calls = make_updates()
-    up_tape = coexec.GradientTape(key="skeleton-floor-updates")
+    up_tape = coexec.GradientTape(backend="interpret", key="skeleton-floor-updates")
     native_up_tape = coexec.GradientTape(key="skeleton-floor-updates-native", backend="native")
     rows = [
         ("eager", per_op(update, calls, args.repeats)),

@@ -21,7 +21,8 @@ from examples.models import ZOO  # noqa: E402
 
 def per_step(name: str, use_coexec: bool, steps: int) -> list[int]:
     z = ZOO[name](1)
-    tape = coexec.GradientTape(key=("step_cycles", name)) if use_coexec else None
+    key = ("step_cycles", name)
+    tape = coexec.GradientTape(backend="interpret", key=key) if use_coexec else None
 
     def one() -> None:
         if tape is None:

@@ -5,9 +5,9 @@
 
 ``bench/zoo_steps.py`` reports medians of paired steps, which hide a slow step every ten or
 twenty (a full garbage collection, docs/coexec.md "Garbage collection"); a loop's throughput
-pays for it. Per zoo model: one copy trains under ``coexec.GradientTape()`` until it
-co-executes on its plan, then ``--steps`` co-executed steps are timed back to back, then as
-many eager steps of a second copy. Prints the mean, median and slowest step of each, and
+pays for it. Per zoo model: one copy trains under ``coexec.GradientTape(backend="interpret")``
+until it co-executes on its plan, then ``--steps`` co-executed steps are timed back to back,
+then as many eager steps of a second copy. Prints the mean, median and slowest step of each, and
 ``mean ratio`` (coexec mean over eager mean), and the time garbage collections took during the
 co-executed steps (``gc.callbacks``).
 """
@@ -58,7 +58,7 @@ def timed_steps(step, n: int) -> tuple[list[float], CollectionTimer]:
 
 def measure(name: str, batch: int, steps: int) -> dict:
     co, eager = ZOO[name](batch), ZOO[name](batch)
-    tape = coexec.GradientTape(key=("step-means", name, batch))
+    tape = coexec.GradientTape(backend="interpret", key=("step-means", name, batch))
 
     def coexec_step() -> None:
         with tape:

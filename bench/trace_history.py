@@ -49,7 +49,7 @@ def train(use_coexec: bool) -> coexec.TapeStats | None:
     model = WordLM()
     data = torch.randint(0, VOCAB, (BPTT * 12 + 1, BATCH))
     lr = 20.0
-    tape = coexec.GradientTape() if use_coexec else None
+    tape = coexec.GradientTape(backend="interpret") if use_coexec else None
     for epoch in range(3):
         hidden = model.init_hidden()
         for i in range(0, BPTT * 12, BPTT):

@@ -2,13 +2,14 @@
 
     python bench/trace_objects.py [--episodes 10]
 
-Runs the REINFORCE program of bench/planning_stall.py under ``coexec.GradientTape()`` (every
-episode length a new trace, 10 traces) in a fresh process per row, then counts the objects the
-cycle collector tracks, times one full ``gc.collect()``, and times pickling the longest path
-for the planning process (coexec/plan_process.py ``dumps``: each trace as columns,
-tracegraph/wire.py), best of 5. Rows: as coexec runs (equal op keys and tensor metadata
-interned: ``OpKey.of``, ``TensorMeta.of``), and with interning off (intern tables of size 0),
-and the same trace pickled object by object (``Trace`` without its columns ``__reduce__``).
+Runs the REINFORCE program of bench/planning_stall.py under
+``coexec.GradientTape(backend="interpret")`` (every episode length a new trace, 10 traces) in a
+fresh process per row, then counts the objects the cycle collector tracks, times one full
+``gc.collect()``, and times pickling the longest path for the planning process
+(coexec/plan_process.py ``dumps``: each trace as columns, tracegraph/wire.py), best of 5. Rows:
+as coexec runs (equal op keys and tensor metadata interned: ``OpKey.of``, ``TensorMeta.of``),
+and with interning off (intern tables of size 0), and the same trace pickled object by object
+(``Trace`` without its columns ``__reduce__``).
 """
 
 from __future__ import annotations

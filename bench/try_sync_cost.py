@@ -12,6 +12,7 @@ IndexError:``. Prints median step times and the ratios (medians over the measure
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -62,10 +63,11 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     a = ap.parse_args()
+    tape = functools.partial(coexec.GradientTape, backend="interpret")
     runs = {
         "eager": (make(a.width, a.layers), plain_step, None),
-        "coexec": (make(a.width, a.layers), plain_step, coexec.GradientTape(key="bench-plain")),
-        "coexec, forward in try": (make(a.width, a.layers), try_step, coexec.GradientTape(key="bench-try")),
+        "coexec": (make(a.width, a.layers), plain_step, tape(key="bench-plain")),
+        "coexec, forward in try": (make(a.width, a.layers), try_step, tape(key="bench-try")),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(a.steps + 5):

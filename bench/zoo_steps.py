@@ -3,14 +3,15 @@
     python bench/zoo_steps.py [--models resnet50,gpt2-6l] [--batch 16] [--device cuda] [--pairs 10]
                               [--threads 1] [--deterministic] [--compile] [--native] [--out bench/out]
 
-Per zoo model, copies from the same seed train side by side, each on its own random stream:
-one eagerly, one under ``coexec.GradientTape()`` (the default: planned blocks and, on a CPU, the
-arena), one under ``GradientTape(arena=False)`` (no plan: ops run as issued) and, with
-``--compile``, one whose model is ``torch.compile``d (the baseline users would pick instead), and
-with ``--native`` one under ``GradientTape(backend="native")`` (executor/capture.py; CPU only).
-After warm-up (coexec: until it co-executes and its plan arrived) they take ``--pairs`` steps in
-turn; on a GPU every step ends with ``torch.cuda.synchronize()``, so a step's time includes its
-kernels. Columns (medians over the pairs):
+Per zoo model, copies from the same seed train side by side, each on its own random stream: one
+eagerly, one under ``coexec.GradientTape(backend="interpret")`` (planned blocks
+and, on a CPU, the arena), one under ``GradientTape(backend="interpret", arena=False)`` (no
+plan: ops run as issued) and, with ``--compile``, one whose model is ``torch.compile``d (the
+baseline users would pick instead), and with ``--native`` one under
+``GradientTape(backend="native")`` (executor/capture.py; CPU only). After warm-up (coexec: until
+it co-executes and its plan arrived) they take ``--pairs`` steps in turn; on a GPU every step
+ends with ``torch.cuda.synchronize()``, so a step's time includes its kernels. Columns (medians
+over the pairs):
 
 * ``eager ms``; ``coexec/eager``, ``unplanned/eager``, ``compile/eager``: medians of the paired
   ratios;
@@ -87,8 +88,10 @@ def measure(
     name: str, batch: int, device: torch.device, pairs: int, compile_too: bool, native_too: bool = False
 ) -> dict:
     eager, co, loose = (on_device(ZOO[name](batch), device) for _ in range(3))
-    tape = coexec.GradientTape(key=("zoo-steps", name, batch, str(device)))
-    loose_tape = coexec.GradientTape(key=("zoo-steps", name, batch, str(device), "unplanned"), arena=False)
+    tape = coexec.GradientTape(backend="interpret", key=("zoo-steps", name, batch, str(device)))
+    loose_tape = coexec.GradientTape(
+        backend="interpret", key=("zoo-steps", name, batch, str(device), "unplanned"), arena=False
+    )
 
     def coexec_step() -> torch.Tensor:
         with tape:

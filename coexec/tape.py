@@ -45,7 +45,7 @@ from .skeleton import Session, Skeleton, raise_executor_error
 PHASES = ("tracing", "coexec", "eager")
 REASONS = 10  # fallback / new-trace reasons kept per program (TapeStats.fallback_reasons)
 SYNC_POLICIES = ("step", "none")
-BACKENDS = ("interpret", "native")
+BACKENDS = ("auto", "interpret", "native")
 
 
 @dataclass
@@ -295,13 +295,16 @@ class GradientTape:
     Options: ``max_traces`` (new traces after which the program stays eager), ``sync``
     (``"step"``: wait for the step's work when the block exits, the default; ``"none"``: let it
     run on, call :func:`coexec.synchronize` before reading model state outside a step),
-    ``backend`` (``"interpret"``, the default: traced into a TraceGraph, co-executed by the
-    Python skeleton with plans; ``"native"``: every step's ATen ops answered by a C++ kernel
-    and computed by a C++ worker, ``executor/capture.py``; no TraceGraph, arena or
-    offloading; a ``memory_budget`` is met by recomputation; steps run eagerly until the
-    native module is built; docs/coexec.md, *Capture*), ``timeout`` (seconds any wait on the executor may take
-    before it becomes an error), ``debug`` (print phase changes, fallbacks and budget plans to stderr),
-    ``key`` (a hashable naming the program explicitly; by default a program is the code
+    ``backend`` (``"auto"``, the default: ``"native"`` on a machine without a GPU where the
+    native module builds and no option below needs ``"interpret"``, else ``"interpret"``;
+    ``tape.backend`` says which runs; ``"native"``: every step's ATen ops answered by a C++
+    kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, no
+    TraceGraph, arena, offloading or ``sync="none"``; a ``memory_budget`` is met by
+    recomputation; steps run eagerly until the native module is built; docs/coexec.md,
+    *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
+    with plans: the GPU path, arenas, offloading), ``timeout`` (seconds any wait on the
+    executor may take before it becomes an error), ``debug`` (print phase changes, fallbacks
+    and budget plans to stderr), ``key`` (a hashable naming the program explicitly; by default a program is the code
     location of the ``with`` statement, so a generic training function used for two models can
     give each its own key), ``arena`` (without a budget: co-executed steps run in the planned
     order, block by block, and write planned outputs into one preallocated arena; False: ops
@@ -324,7 +327,7 @@ class GradientTape:
         *,
         max_traces: int = 10,
         sync: str = "step",
-        backend: str = "interpret",
+        backend: str = "auto",
         timeout: float = 300.0,
         debug: bool = False,
         key: Any = None,
@@ -342,6 +345,9 @@ class GradientTape:
             raise ValueError(f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}")
         if backend == "native":
             _check_native_options(sync, arena, memory_budget, offload)
+        self._auto = backend == "auto"
+        if self._auto:
+            backend = _auto_backend(sync, arena, offload)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not timeout > 0:
@@ -369,6 +375,7 @@ class GradientTape:
         self.offload = offload
         if arena is not None and not isinstance(arena, bool):
             raise TypeError(f"arena must be True, False or None (on without a budget), got {arena!r}")
+        self._arena_asked = arena
         self.arena = self.memory_budget is None and backend != "native" if arena is None else arena
         self._thread = threading.get_ident()
         self._program: Program | None = None
@@ -386,6 +393,8 @@ class GradientTape:
         frame = sys._getframe(1)
         named = self.key is not None
         key = ("key", self.key) if named else (id(frame.f_code), frame.f_lasti)
+        if self._auto and self.backend == "native" and native.unavailable():
+            self._leave_native()
         if self.backend == "native":
             self._step = _NativeStep(self._native_program(key, frame), self.debug, self.memory_budget)
             _local.tape = self
@@ -403,6 +412,18 @@ class GradientTape:
         self._step = _Step(self, program, frame, fam)
         _local.tape = self
         return self
+
+    def _leave_native(self) -> None:
+        """``backend="auto"`` chose the native backend, whose module then failed to build (its
+        warning said why): the default backend's executor runs in Python instead."""
+        self.backend = "interpret"
+        self.arena = self.memory_budget is None if self._arena_asked is None else self._arena_asked
+        self._native_last = None
+        if self.debug and self._program is not None:
+            _log(
+                self._program, "the native module is not available: backend 'interpret' from this step on"
+            )
+        self._program = None
 
     def _native_program(self, key: Any, frame: Any) -> Program:
         """The program a native-backend step counts its statistics in: one per ``with`` line
@@ -557,7 +578,8 @@ class GradientTape:
 
     @property
     def graph(self) -> TraceGraph | None:
-        """The program's TraceGraph (for inspection: ``tape.graph.to_dot()``)."""
+        """The program's TraceGraph (for inspection: ``tape.graph.to_dot()``); empty on the
+        native backend, which traces nothing (``backend="interpret"`` builds it)."""
         return self._program.graph if self._program is not None else None
 
     def _check_thread(self, what: str) -> None:
@@ -644,6 +666,15 @@ def _report_row(
         "recomputed": recomputed,
         "offloaded": offloaded,
     }
+
+
+def _auto_backend(sync: str, arena: bool | None, offload: bool | None) -> str:
+    """What ``backend="auto"`` runs: the native backend where it can serve the tape (no GPU or
+    other accelerator on the machine: it captures CPU steps only; no option only the
+    interpret backend has; its module not known to be unbuildable), else the interpret backend."""
+    if arena or offload or sync != "step":
+        return "interpret"
+    return "interpret" if native.unavailable() or torch.accelerator.is_available() else "native"
 
 
 def _check_native_options(sync: str, arena: bool | None, memory_budget: Any, offload: bool | None) -> None:

@@ -3,7 +3,7 @@
     python examples/train.py --list
     python examples/train.py dcgan --steps 30            # plain PyTorch
     python examples/train.py dcgan --steps 30 --coexec   # the same script under coexec
-    python examples/train.py dcgan --steps 30 --coexec --backend native   # ops answered in C++
+    python examples/train.py dcgan --steps 30 --coexec --backend interpret   # traced, planned
 
 With ``--coexec`` the training loop wraps each step in ``with tape:`` and prints the tape's
 statistics at the end; ``--check`` also runs it eagerly from the same seed and compares losses
@@ -61,8 +61,9 @@ def main() -> int:
     ap.add_argument("--coexec", action="store_true", help="run the steps under coexec.GradientTape")
     ap.add_argument("--check", action="store_true", help="with --coexec: compare with eager")
     ap.add_argument(
-        "--backend", default="interpret", choices=coexec.tape.BACKENDS,
-        help="with --coexec: GradientTape's backend (native: every op answered in C++)",
+        "--backend", default="auto", choices=coexec.tape.BACKENDS,
+        help="with --coexec: GradientTape's backend (auto, the default: native on a CPU-only "
+        "machine, where every op is answered in C++; interpret: traced into a TraceGraph)",
     )  # fmt: skip
     ap.add_argument("--list", action="store_true", help="list the programs")
     args = ap.parse_args()
@@ -72,12 +73,12 @@ def main() -> int:
         return 0
     if args.program not in BY_NAME:
         ap.error(f"unknown program {args.program!r}; one of: {', '.join(BY_NAME)}")
-    if args.coexec and args.backend == "native":
+    if args.coexec and args.backend != "interpret":
         from executor import native
 
         native.wait()  # (its first build takes a minute; steps would run eagerly meanwhile)
     program, losses, tape, seconds = train(args.program, args.steps, args.coexec, args.seed, backend=args.backend)
-    print(f"{args.steps} steps in {seconds:.2f} s ({f'coexec, {args.backend}' if tape else 'eager'})")
+    print(f"{args.steps} steps in {seconds:.2f} s ({f'coexec, {tape.backend}' if tape else 'eager'})")
     if tape is not None:
         print(tape.stats)
         if args.check:

@@ -55,6 +55,12 @@ def enabled() -> bool:
     return os.environ.get("COEXEC_NATIVE", "1") != "0"
 
 
+def unavailable() -> bool:
+    """Is the module known not to load here: switched off, or its build failed? (False while
+    it is still building.)"""
+    return not enabled() or (_done.is_set() and _module is None)
+
+
 def ready() -> ModuleType | None:
     """The built module if it is ready now; else None, after starting its build in the
     background (once per process)."""

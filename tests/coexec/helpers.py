@@ -40,9 +40,12 @@ def run(
 ) -> tuple[list[float], list[torch.Tensor], coexec.GradientTape | None]:
     """``make()`` builds the state (seeded); ``step(state, i)`` runs step i and returns the loss.
     Under coexec each step waits for the plans its trace asked for, so the next step runs on
-    them whatever the machine's load (tests/coexec/test_planning.py tests steps that do not)."""
+    them whatever the machine's load (tests/coexec/test_planning.py tests steps that do not).
+    The tape is the interpret backend's unless ``backend=`` says otherwise (its traces, phases
+    and plans are what most tests check; the native backend has tests of its own)."""
     state = make()
     tape_options.setdefault("key", ("test", next(_keys)))
+    tape_options.setdefault("backend", "interpret")
     tape = coexec.GradientTape(**tape_options) if use_coexec else None
     losses = []
     for i in range(steps):

@@ -29,7 +29,7 @@ def test_a_new_tape_each_step_shares_one_program():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for i in range(6):
         x, y = data[i % 3]
-        with coexec.GradientTape() as tape:  # tf.GradientTape style: a new tape per step
+        with coexec.GradientTape(backend="interpret") as tape:  # tf.GradientTape style: one a step
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
             grads = tape.gradient(loss, model.parameters())
@@ -50,7 +50,7 @@ def test_gradient_returns_none_for_unused_sources_and_one_tensor_for_one_source(
     w = torch.randn(3, requires_grad=True)
     unused = torch.randn(3, requires_grad=True)
     frozen = torch.randn(3)
-    tape = coexec.GradientTape(key="grad-shapes")
+    tape = coexec.GradientTape(backend="interpret", key="grad-shapes")
     with tape:
         loss = (w * 2).sum()
         g_w, g_unused, g_frozen = tape.gradient(loss, [w, unused, frozen], retain_graph=True)
@@ -74,7 +74,7 @@ def test_placeholders_that_escape_behave_like_their_tensors():
     model, data = model_and_data()
     ref = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    tape = coexec.GradientTape(key="escape")
+    tape = coexec.GradientTape(backend="interpret", key="escape")
     kept: list = []
     for i in range(5):
         loss = co_step(tape, model, opt, *data[i % 3], kept)
@@ -124,7 +124,7 @@ def printing_body(model, x, y):
 def test_prints_inside_a_coexecuted_step_match_eager(capsys):
     model, data = model_and_data()
     ref = copy.deepcopy(model)
-    tape = coexec.GradientTape(key="prints")
+    tape = coexec.GradientTape(backend="interpret", key="prints")
     for i in range(5):
         with tape:
             printing_body(model, *data[i % 3])
@@ -141,7 +141,7 @@ def test_lazy_sync_runs_on_and_synchronize_binds():
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    tape = coexec.GradientTape(key="lazy", sync="none")
+    tape = coexec.GradientTape(backend="interpret", key="lazy", sync="none")
     losses = []
     for i in range(6):
         losses.append(co_step(tape, model, opt, *data[i % 3], []))
@@ -154,7 +154,7 @@ def test_lazy_sync_runs_on_and_synchronize_binds():
 
 
 def test_stats_fields():
-    tape = coexec.GradientTape(key="stats")
+    tape = coexec.GradientTape(backend="interpret", key="stats")
     s = tape.stats
     assert (s.steps, s.traces, s.fallbacks, s.coexec_steps, s.phase) == (0, 0, 0, 0, "tracing")
     assert set(s.seconds) == {"tracing", "coexec", "eager"}
@@ -175,7 +175,7 @@ def fetching_body(model, x, y):
 def test_every_fetch_kind_reads_the_eager_value():
     model, data = model_and_data()
     ref = copy.deepcopy(model)
-    tape = coexec.GradientTape(key="fetch-kinds")
+    tape = coexec.GradientTape(backend="interpret", key="fetch-kinds")
     got = []
     for i in range(5):
         with tape:
@@ -192,7 +192,7 @@ def test_a_kept_placeholder_does_not_keep_its_step_alive():
 
     model, data = model_and_data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    tape = coexec.GradientTape(key="keep-alive")
+    tape = coexec.GradientTape(backend="interpret", key="keep-alive")
     kept = []
     for i in range(5):
         kept.append(co_step(tape, model, opt, *data[i % 3], []))

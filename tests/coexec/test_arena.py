@@ -67,7 +67,7 @@ def test_co_executed_steps_use_the_arena_and_stay_bit_equal():
 
 def test_values_that_outlive_the_step_do_not_point_into_the_arena():
     s = make()
-    tape = coexec.GradientTape(key="arena-escape")
+    tape = coexec.GradientTape(backend="interpret", key="arena-escape")
     for i in range(8):
         with tape:
             step(s, i)
@@ -161,7 +161,7 @@ def test_co_executed_steps_of_a_one_element_loss_print_no_resize_warning(capfd):
     torch.manual_seed(0)
     model = nn.Linear(8, 1)
     x, y = torch.randn(1, 8), torch.randn(1, 1)
-    tape = coexec.GradientTape(key="arena-one-element-loss")
+    tape = coexec.GradientTape(backend="interpret", key="arena-one-element-loss")
     for _ in range(5):
         with tape:
             F.mse_loss(model(x), y).backward()

@@ -95,7 +95,7 @@ def test_the_two_paths_of_loss_branch_share_one_arena_and_each_runs_within_its_p
     state = LossBranch(0)
     from coexec import GradientTape, wait_for_plans
 
-    again = GradientTape(key="branch-arena-2-again")
+    again = GradientTape(backend="interpret", key="branch-arena-2-again")
     for i in range(16):
         with again:
             state.step(i)

@@ -44,7 +44,9 @@ def run_within(make, step, steps, budget, key, offload=None, arena=None):
     """Run under ``budget``; the measured peaks of the co-executed steps on planned paths
     (a step on a path no plan had seen may go over: it warns, and is counted in the stats)."""
     state = make()
-    tape = coexec.GradientTape(memory_budget=budget, key=key, offload=offload, arena=arena)
+    tape = coexec.GradientTape(
+        backend="interpret", memory_budget=budget, key=key, offload=offload, arena=arena
+    )
     losses, peaks = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -101,7 +103,7 @@ def test_budgets_parse_from_bytes_and_units(text, expected):
 @pytest.mark.parametrize("bad", ["6 gigs", "GB", "-1GB", 0, -5, 1.5e9, True])
 def test_bad_budgets_are_refused_with_a_clear_error(bad):
     with pytest.raises((ValueError, TypeError), match="memory_budget"):
-        coexec.GradientTape(memory_budget=bad)
+        coexec.GradientTape(backend="interpret", memory_budget=bad)
 
 
 def test_a_budget_below_the_smallest_feasible_raises_naming_it():
@@ -109,7 +111,7 @@ def test_a_budget_below_the_smallest_feasible_raises_naming_it():
         run_within(make, step, 4, 100_000, "budget-too-small")
     assert err.value.budget == 100_000 and err.value.smallest > 100_000
     # the next step with the same budget refuses at once, before running anything
-    tape = coexec.GradientTape(memory_budget=100_000, key="budget-too-small")
+    tape = coexec.GradientTape(backend="interpret", memory_budget=100_000, key="budget-too-small")
     with pytest.raises(BudgetTooSmall):
         with tape:
             raise AssertionError("the step ran")
@@ -173,7 +175,9 @@ def test_debug_logs_what_the_budget_plan_does(capsys):
     """With ``debug``, planning a budget says when it starts (in the background) and what the
     plan does when it arrives, as the stats later show it."""
     state = make()
-    tape = coexec.GradientTape(memory_budget=2_000_000, key="budget-debug", debug=True)
+    tape = coexec.GradientTape(
+        backend="interpret", memory_budget=2_000_000, key="budget-debug", debug=True
+    )
     for i in range(4):
         with tape:
             step(state, i)
@@ -241,4 +245,4 @@ def test_where_offloading_plans_higher_recomputation_alone_is_the_plan(
 
 def test_offload_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="offload must be True, False or None"):
-        coexec.GradientTape(memory_budget="1GB", offload="yes")
+        coexec.GradientTape(backend="interpret", memory_budget="1GB", offload="yes")

@@ -86,7 +86,7 @@ def test_an_in_place_call_bumps_the_version_autograd_checks():
     torch.manual_seed(0)
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4)
-    tape = coexec.GradientTape(key="templates-version")
+    tape = coexec.GradientTape(backend="interpret", key="templates-version")
     seen = []
     for _ in range(6):
         with tape:

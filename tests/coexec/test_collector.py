@@ -32,7 +32,7 @@ def _model():
 def test_no_collection_runs_inside_a_co_executed_step(default_thresholds):
     model, opt = _model()
     x, y = torch.randn(8, 6), torch.randn(8, 1)
-    tape = coexec.GradientTape()
+    tape = coexec.GradientTape(backend="interpret")
     inside: list[tuple] = []
     collections = []
 
@@ -65,7 +65,7 @@ def test_no_collection_runs_inside_a_co_executed_step(default_thresholds):
 
 def test_thresholds_come_back_after_a_step_that_raises(default_thresholds):
     model, _ = _model()
-    tape = coexec.GradientTape()
+    tape = coexec.GradientTape(backend="interpret")
     with pytest.raises(ValueError, match="in the step"):
         with tape:
             model(torch.randn(2, 6)).sum().backward()
@@ -75,7 +75,7 @@ def test_thresholds_come_back_after_a_step_that_raises(default_thresholds):
 
 def test_thresholds_the_program_sets_in_a_step_are_kept(default_thresholds):
     model, _ = _model()
-    tape = coexec.GradientTape()
+    tape = coexec.GradientTape(backend="interpret")
     with tape:
         model(torch.randn(2, 6)).sum().backward()
         gc.set_threshold(5000, 20, 20)

@@ -40,7 +40,7 @@ def collected_per_step(use_coexec: bool, ks: list[int]) -> tuple[list[int], list
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
-    tape = coexec.GradientTape() if use_coexec else None
+    tape = coexec.GradientTape(backend="interpret") if use_coexec else None
 
     def step(k: int) -> float:
         if tape is None:

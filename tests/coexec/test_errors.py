@@ -47,7 +47,7 @@ def run_step(tape, s, **kwargs):
 
 
 def warm_tape(s, key):
-    tape = coexec.GradientTape(key=key, timeout=5.0)
+    tape = coexec.GradientTape(backend="interpret", key=key, timeout=5.0)
     for _ in range(3):
         run_step(tape, s)
     assert tape.stats.phase == "coexec"
@@ -80,7 +80,7 @@ def test_shape_error_in_an_op_points_at_the_op():
 def test_an_op_failing_on_the_executor_is_raised_at_the_line_that_issued_it():
     s = make()
     idx = torch.zeros(8, 4, dtype=torch.long)
-    tape = coexec.GradientTape(key="executor-error", timeout=5.0)
+    tape = coexec.GradientTape(backend="interpret", key="executor-error", timeout=5.0)
     for i in range(4):
         if i == 3:
             idx[0, 0] = 99  # only the data changes: the skeleton cannot see it
@@ -132,7 +132,8 @@ def test_a_dead_or_stuck_executor_is_an_error_within_the_timeout(fault):
 
 
 def test_nested_tapes_are_refused():
-    outer, inner = coexec.GradientTape(key="outer"), coexec.GradientTape(key="inner")
+    outer = coexec.GradientTape(backend="interpret", key="outer")
+    inner = coexec.GradientTape(backend="interpret", key="inner")
     with outer:
         with pytest.raises(coexec.CoexecUsageError, match="do not nest"):
             with inner:
@@ -141,7 +142,7 @@ def test_nested_tapes_are_refused():
 
 def test_gradient_of_a_non_scalar_needs_output_gradients():
     w = torch.randn(3, requires_grad=True)
-    tape = coexec.GradientTape(key="nonscalar")
+    tape = coexec.GradientTape(backend="interpret", key="nonscalar")
     with tape:
         y = w * 2
         with pytest.raises(coexec.CoexecUsageError, match="non-scalar target needs output_gradients"):
@@ -151,7 +152,7 @@ def test_gradient_of_a_non_scalar_needs_output_gradients():
 
 
 def test_a_tape_from_another_thread_is_refused():
-    tape = coexec.GradientTape(key="thread")
+    tape = coexec.GradientTape(backend="interpret", key="thread")
     errors = []
 
     def use():
@@ -203,7 +204,7 @@ def test_options_of_the_wrong_type_are_refused_when_the_tape_is_made(kwargs, mat
 
 def test_max_traces_caps_tracing_with_one_warning():
     w = torch.randn(4, requires_grad=True)
-    tape = coexec.GradientTape(key="cap", max_traces=2)
+    tape = coexec.GradientTape(backend="interpret", key="cap", max_traces=2)
     with pytest.warns(RuntimeWarning, match="runs eagerly from now on") as rec:
         for i in range(6):
             with tape:

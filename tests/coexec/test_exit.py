@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent(
     model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(64, 32), torch.randn(64, 1)
-    tape = coexec.GradientTape(memory_budget="1MB", sync="none")  # work may be pending at exit
+    # work may be pending at exit
+    tape = coexec.GradientTape(backend="interpret", memory_budget="1MB", sync="none")
     for _ in range(5):
         with tape:
             loss = F.mse_loss(model(x), y)

@@ -161,7 +161,7 @@ def test_user_code_raises_mid_step_and_training_continues():
     eager = make_bn()
     el = [as_float(guarded(eager, i)) for i in range(STEPS)]
     co = make_bn()
-    tape = coexec.GradientTape(key="raises-mid-step")
+    tape = coexec.GradientTape(backend="interpret", key="raises-mid-step")
     cl = []
     for i in range(STEPS):
         try:
@@ -199,7 +199,7 @@ def test_an_in_place_view_op_on_a_computed_tensor_is_refused_clearly():
     import coexec
 
     s = make_bn()
-    tape = coexec.GradientTape(key="inplace-view-placeholder")
+    tape = coexec.GradientTape(backend="interpret", key="inplace-view-placeholder")
 
     def step(i):
         x, y = s.data[i % 3]

@@ -34,7 +34,7 @@ def test_reasons_and_phases_of_a_scalar_that_varies(capsys):
     torch.manual_seed(0)
     w = torch.randn(4, 1, requires_grad=True)
     x = torch.randn(8, 4)
-    tape = coexec.GradientTape(key=("reasons", next(_keys)), debug=True)
+    tape = coexec.GradientTape(backend="interpret", key=("reasons", next(_keys)), debug=True)
     seen = []
     for lr in (0.1, 0.1, 0.2, 0.3):
         with tape:
@@ -66,7 +66,7 @@ def shape_step(w: torch.Tensor, n: int) -> torch.Tensor:
 
 def test_the_latest_ten_reasons_are_kept():
     w = torch.randn(4, 1, requires_grad=True)
-    tape = coexec.GradientTape(key=("reasons", next(_keys)), max_traces=100)
+    tape = coexec.GradientTape(backend="interpret", key=("reasons", next(_keys)), max_traces=100)
     for i in range(14):
         with tape:
             shape_step(w, 2 + i)
@@ -116,7 +116,8 @@ CONTROL = (
 )
 def test_max_traces_warns_at_the_with_line_with_the_likely_cause(step, max_traces, cause):
     w = torch.randn(4, 1, requires_grad=True)
-    tape = coexec.GradientTape(key=("reasons", next(_keys)), max_traces=max_traces)
+    key = ("reasons", next(_keys))
+    tape = coexec.GradientTape(backend="interpret", key=key, max_traces=max_traces)
     with pytest.warns(RuntimeWarning, match="runs eagerly from now on") as caught:
         for i in range(5):
             with tape:  # the with line
@@ -133,7 +134,7 @@ def test_max_traces_warns_at_the_with_line_with_the_likely_cause(step, max_trace
 
 def test_a_fallback_on_a_size_made_in_the_step_names_where_it_was_made():
     w = torch.ones(3, requires_grad=True)
-    tape = coexec.GradientTape(key=("reasons", next(_keys)))
+    tape = coexec.GradientTape(backend="interpret", key=("reasons", next(_keys)))
     for i in range(4):
         x = torch.tensor([1.0, 0.0, 2.0]) if i < 3 else torch.tensor([1.0, 3.0, 2.0])
         with tape:

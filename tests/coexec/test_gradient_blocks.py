@@ -84,7 +84,7 @@ def test_a_tensor_hook_in_the_step_keeps_the_engine_and_runs_every_step():
 
 def test_a_parameter_hook_added_after_a_block_was_made_runs():
     state = make()
-    tape = coexec.GradientTape(key="gb-late-hook")
+    tape = coexec.GradientTape(backend="interpret", key="gb-late-hook")
     calls, blocks = [], []
     for i in range(8):
         if i == 6:
@@ -154,7 +154,7 @@ def test_a_custom_function_with_a_python_backward_keeps_the_engine():
 
 def test_a_second_backward_raises_eagers_error_after_a_block():
     state = make()
-    tape = coexec.GradientTape(key="gb-twice")
+    tape = coexec.GradientTape(backend="interpret", key="gb-twice")
     for i in range(7):
         twice = i == 6
         try:
@@ -179,7 +179,7 @@ def test_a_saved_tensor_modified_in_place_raises_as_in_eager():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         step(x)
-    tape = coexec.GradientTape(key="gb-inplace")
+    tape = coexec.GradientTape(backend="interpret", key="gb-inplace")
     for _ in range(4):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"), tape:
             step(x)
@@ -216,7 +216,7 @@ def test_reached_leaves_finds_every_leaf_when_node_wrappers_are_made_afresh():
 def _peaks_by_blocks(model, x, y, opt, key: str) -> dict[int, list[int]]:
     """Six plain steps; the measured peaks of the co-executed ones, by how many gradient blocks
     each replayed (0: the engine ran)."""
-    tape = coexec.GradientTape(key=key, arena=False)
+    tape = coexec.GradientTape(backend="interpret", key=key, arena=False)
     peaks: dict[int, list[int]] = {}
     for _ in range(6):
         with tape:
@@ -263,7 +263,7 @@ def test_a_profiler_running_keeps_the_engine_until_it_stops():
     import cProfile
 
     eager, captured = make(), make()
-    tape = coexec.GradientTape(key=("blocks", "profiler"))
+    tape = coexec.GradientTape(backend="interpret", key=("blocks", "profiler"))
     profile = cProfile.Profile()
     profile.enable()
     try:

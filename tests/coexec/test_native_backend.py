@@ -185,7 +185,7 @@ def test_native_and_interpreted_steps_of_one_model_keep_their_order() -> None:
     """An interpreted step left running (``sync="none"``) finishes before a native step starts:
     both update the same parameters."""
     eager, mixed = _state(), _state()
-    lazy = coexec.GradientTape(sync="none", key=("native", "mixed lazy"))
+    lazy = coexec.GradientTape(backend="interpret", sync="none", key=("native", "mixed lazy"))
     captured = coexec.GradientTape(backend="native", key=("native", "mixed native"))
     for i in range(6):
         train_step(eager, i)

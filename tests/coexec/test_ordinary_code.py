@@ -31,7 +31,8 @@ def run_program(make, step, steps: int, use_coexec: bool):
     """Runs ``step(state, i, out)`` ``steps`` times; ``out`` collects what the program shows
     (printed text, saved bytes). Returns (out, final state tensors, tape)."""
     state = make()
-    tape = coexec.GradientTape(key=("ordinary", next(_keys)), timeout=30.0) if use_coexec else None
+    key = ("ordinary", next(_keys))
+    tape = coexec.GradientTape(backend="interpret", key=key, timeout=30.0) if use_coexec else None
     out: list = []
     for i in range(steps):
         text = io.StringIO()
@@ -102,7 +103,7 @@ def test_printing_tensors_made_in_the_step():
 
 def test_printing_a_tensor_kept_from_a_coexecuted_step():
     s = make_linear()
-    tape = coexec.GradientTape(key=("ordinary", "kept"))
+    tape = coexec.GradientTape(backend="interpret", key=("ordinary", "kept"))
     for i in range(4):
         with tape:
             h, loss = linear_step(s, i)
@@ -221,7 +222,7 @@ def test_an_op_failing_outside_any_try_still_fails_the_step():
     """No ``try`` around the op: the error leaves the step, as in eager (where it surfaces is
     covered in test_errors.py), and the next step runs normally."""
     s = SimpleNamespace(emb=nn.Embedding(10, 4))
-    tape = coexec.GradientTape(key=("ordinary", "no-try"), timeout=30.0)
+    tape = coexec.GradientTape(backend="interpret", key=("ordinary", "no-try"), timeout=30.0)
     for i in range(4):
         idx = torch.tensor([1, 12 if i == 3 else 2])
         with pytest.raises(Exception) if i == 3 else contextlib.nullcontext() as raised:

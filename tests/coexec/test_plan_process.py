@@ -178,7 +178,7 @@ def test_the_planning_process_starts_while_the_first_step_runs(monkeypatch):
     monkeypatch.setattr(planning, "PLANNER", planner)
     monkeypatch.setattr(coexec.tape, "PLANNER", planner)
     model = torch.nn.Linear(4, 2)
-    with coexec.GradientTape(key="plan-process-early"):
+    with coexec.GradientTape(backend="interpret", key="plan-process-early"):
         deadline = time.monotonic() + 30
         while planner._process is None or planner._process.pid is None:
             assert time.monotonic() < deadline, "the planning process did not start"
@@ -188,7 +188,7 @@ def test_the_planning_process_starts_while_the_first_step_runs(monkeypatch):
     # without an arena or a budget there is nothing to plan: no process
     idle = Planner()
     monkeypatch.setattr(coexec.tape, "PLANNER", idle)
-    with coexec.GradientTape(key="plan-process-none-needed", arena=False):
+    with coexec.GradientTape(backend="interpret", key="plan-process-none-needed", arena=False):
         model(torch.randn(3, 4)).sum().backward()
     time.sleep(0.1)
     assert idle._process is None and idle._thread is None

@@ -64,7 +64,7 @@ def run_steps(s, tape, steps, first=0):
 def test_steps_co_execute_without_waiting_while_the_plan_is_made_then_use_it(held_plans, capsys):
     eager_losses, eager_state, _ = run(make, step, 8, False)
     s = make()
-    tape = coexec.GradientTape(key="planning-held", debug=True)
+    tape = coexec.GradientTape(backend="interpret", key="planning-held", debug=True)
     ex = runtime.executor()
     losses = run_steps(s, tape, 5)
     # the plans asked for after the new traces are still being made: the steps co-executed
@@ -99,7 +99,7 @@ def test_a_program_that_stays_eager_asks_for_no_more_plans_and_lets_go_of_its_pl
         return loss
 
     s = make()
-    tape = coexec.GradientTape(key="planning-eager", max_traces=4)
+    tape = coexec.GradientTape(backend="interpret", key="planning-eager", max_traces=4)
     for n in (4, 4, 4, 4, 5):  # traced, traced (momentum appears), covered, co-executed; new
         with tape:
             sized(s, n)
@@ -123,7 +123,9 @@ def test_a_program_that_stays_eager_asks_for_no_more_plans_and_lets_go_of_its_pl
 def test_under_a_budget_a_co_executed_step_waits_for_the_plan_and_keeps_to_it(capsys):
     eager_losses, eager_state, _ = run(make, step, 6, False)
     s = make()
-    tape = coexec.GradientTape(key="planning-budget-wait", memory_budget="10MB", debug=True)
+    tape = coexec.GradientTape(
+        backend="interpret", key="planning-budget-wait", memory_budget="10MB", debug=True
+    )
     peaks, losses = [], []
     for i in range(6):
         before = tape.stats.coexec_steps
@@ -161,7 +163,8 @@ def test_under_a_budget_a_plan_that_fails_stops_the_step_before_it_runs(
 
     monkeypatch.setattr(coexec.planning, "plan_program", broken)
     s = make()
-    tape = coexec.GradientTape(key="planning-budget-broken", memory_budget="10MB")
+    key = "planning-budget-broken"
+    tape = coexec.GradientTape(backend="interpret", key=key, memory_budget="10MB")
     ran = []
     with pytest.raises(RuntimeError, match=r"planning the memory budget .* failed \(ZeroDivisionError"):
         for i in range(6):
@@ -174,7 +177,7 @@ def test_under_a_budget_a_plan_that_fails_stops_the_step_before_it_runs(
 
 def test_a_dropped_program_never_takes_a_plan_that_arrives_late(held_plans):
     s = make()
-    tape = coexec.GradientTape(key="planning-dropped")
+    tape = coexec.GradientTape(backend="interpret", key="planning-dropped")
     run_steps(s, tape, 2)
     program = tape._program
     assert program.futures  # a plan is being made
@@ -189,7 +192,7 @@ def test_the_smallest_budget_named_is_raised_before_the_step_runs_and_then_suffi
     """BudgetTooSmall comes at the start of a step, before it changes anything; the budget it
     names runs the next steps of the same program within it."""
     s = make()
-    tape = coexec.GradientTape(key="planning-smallest", memory_budget=10_000)
+    tape = coexec.GradientTape(backend="interpret", key="planning-smallest", memory_budget=10_000)
     ran = []
     with pytest.raises(BudgetTooSmall) as err:
         for i in range(6):
@@ -206,7 +209,7 @@ def test_the_smallest_budget_named_is_raised_before_the_step_runs_and_then_suffi
     eager = make()
     for i in range(len(ran) + 4):
         step(eager, i)
-    tape = coexec.GradientTape(key="planning-smallest", memory_budget=smallest)
+    tape = coexec.GradientTape(backend="interpret", key="planning-smallest", memory_budget=smallest)
     for i in range(len(ran), len(ran) + 4):
         before = tape.stats.coexec_steps
         with tape:

@@ -39,7 +39,7 @@ def train(width: int, use_coexec: bool, keep: list) -> tuple[list, list, Any]:
     """The helper of a sweep: every run goes through the same ``with`` line."""
     model, opt, data = make(width, seed=width)
     keep.append(model)
-    tape = coexec.GradientTape() if use_coexec else None
+    tape = coexec.GradientTape(backend="interpret") if use_coexec else None
     losses = []
     for x, y in data:
         if tape is None:
@@ -91,7 +91,7 @@ def test_two_models_alternating_through_one_with():
             model, opt = pairs[i % 2]
             x, y = data[i // 2]
             if use_coexec:
-                with coexec.GradientTape() as tape:
+                with coexec.GradientTape(backend="interpret") as tape:
                     loss = step(model, opt, x, y)
                 stats[i % 2] = tape.stats
             else:
@@ -117,7 +117,7 @@ def test_two_models_of_the_same_shapes_are_two_programs():
         steps = []
         for i in range(6):
             if use_coexec:
-                with coexec.GradientTape() as tape:
+                with coexec.GradientTape(backend="interpret") as tape:
                     models[i % 2](x).sum().backward()
                 steps.append(tape.stats.steps)
             else:
@@ -137,7 +137,7 @@ def test_the_least_recently_used_program_is_dropped_with_its_arena():
         for w in (3, 4, 5):
             model, opt, data = make(w, seed=w)
             kept.append(model)
-            tape = coexec.GradientTape()
+            tape = coexec.GradientTape(backend="interpret")
             for x, y in data[:4]:
                 with tape:
                     step(model, opt, x, y)
@@ -155,7 +155,7 @@ def test_the_least_recently_used_program_is_dropped_with_its_arena():
         assert tapes[0].stats.steps == 4  # a tape still reports what its program did
         # the first model is new again: its program starts over, and co-executes once warm
         model, opt, data = make(3, seed=3)
-        tape = coexec.GradientTape()
+        tape = coexec.GradientTape(backend="interpret")
         for x, y in data[:4]:
             with tape:
                 step(model, opt, x, y)
@@ -175,7 +175,7 @@ def test_key_names_one_program_for_every_model():
     tapes = []
     for w in (3, 4):
         model, opt, data = make(w, seed=w)
-        tape = coexec.GradientTape(key="programs-named")
+        tape = coexec.GradientTape(backend="interpret", key="programs-named")
         for x, y in data[:4]:
             with tape:
                 step(model, opt, x, y)
@@ -196,7 +196,7 @@ def interleaved(order: list[int], use_coexec: bool) -> tuple[list, list, list]:
         model, opt = pairs[m]
         x, y = data[i]
         if use_coexec:
-            with coexec.GradientTape() as tape:
+            with coexec.GradientTape(backend="interpret") as tape:
                 loss = step(model, opt, x * 0.5, y)
             stats[m] = tape.stats
         else:
@@ -235,7 +235,7 @@ def test_a_wrong_guess_after_ops_were_issued_falls_back_and_stays_exact():
 
 def test_a_program_whose_model_died_is_dropped():
     def run(model: nn.Module, opt: torch.optim.Optimizer, data: list) -> coexec.GradientTape:
-        tape = coexec.GradientTape()
+        tape = coexec.GradientTape(backend="interpret")
         for x, y in data[:4]:
             with tape:  # one ``with`` line for both models
                 step(model, opt, x, y)

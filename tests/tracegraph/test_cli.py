@@ -87,7 +87,7 @@ def main() -> None:
     torch.manual_seed(0)
     w = torch.randn(4, 1, requires_grad=True)
     odd = int(sys.argv[1])
-    tape = coexec.GradientTape()
+    tape = coexec.GradientTape(backend="interpret")  # (its traces and fallbacks are reported)
     for step in range(100):
         n = 5 if step == odd else 8
         with tape:
