@@ -8,8 +8,11 @@
 ...         optimizer.step()
 ...     print(loss.item())
 
-The step runs eagerly while it is traced; once its trace repeats, the Python program runs as a
-skeleton and a background executor computes the ops. See the README and docs/coexec.md.
+By default (``backend="auto"``) a machine without a GPU runs the native backend: every ATen op
+of the step is answered in C++ and computed on a C++ worker beside the Python. Otherwise (the
+interpret backend) the step runs eagerly while it is traced; once its trace repeats, the Python
+program runs as a skeleton and a background executor computes the ops on the planner's plans.
+See the README and docs/coexec.md, *Two backends*.
 """
 
 from .errors import (

@@ -6,7 +6,9 @@ tape each step, as with ``tf.GradientTape``) and a tape created once and reused 
 one ``with`` running several models (a sweep through one ``train()`` helper) keeps one
 program per model, told apart by the parameters its steps read (``coexec/programs.py``).
 
-Phases (DESIGN.md §1): **tracing** runs the step eagerly while recording it, until a step's
+Which backend runs a tape: ``GradientTape``'s docstring, docs/coexec.md *Two backends*. The
+native backend's steps: ``_NativeStep`` (``executor/capture.py``). The interpret backend's
+phases (DESIGN.md §1): **tracing** runs the step eagerly while recording it, until a step's
 trace is already covered by the graph; **coexec** runs the step as a skeleton with the
 executor; a step that leaves the graph falls back to eager for its rest, and its trace is
 merged. After ``max_traces`` new traces a program stays **eager** and says why, once.
