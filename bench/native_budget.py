@@ -10,10 +10,12 @@ Per zoo model, one SGD step measured as
 * ``checkpoint k``: ``torch.utils.checkpoint.checkpoint_sequential`` over the model's chain of
   modules (``bench/budget_pareto.py``'s), ``k`` segments, for every ``k``;
 * ``native``: ``GradientTape(backend="native")`` without a budget, then with ``memory_budget``
-  set to the persistent state plus ``f`` of the step's own bytes at its peak (activations,
-  gradients and temporaries, as the planner simulates the described step), for each fraction
-  ``f``, at the lowest peak ``checkpoint_sequential`` reaches, and at the smallest budget a
-  plan meets (the figure ``BudgetTooSmall`` names).
+  set so that the activation memory is ``f`` of the unbudgeted step's, for each fraction ``f``
+  (Planner II's targets, as ``bench/budget_pareto.py`` sets them: the step's peak as the
+  planner simulates the described step, less ``1 - f`` of the activations, the bytes made before
+  the backward starts and still held when it does; the backward starts at the first op whose
+  name says ``backward``, the loss's), at the lowest peak ``checkpoint_sequential`` reaches, and
+  at the smallest budget a plan meets (the figure ``BudgetTooSmall`` names).
 
 Peaks, for every method alike: the bytes the CPU allocator holds at the step's peak beyond what
 it held as the step began (counted by the native module's allocator, installed before any model
@@ -48,7 +50,10 @@ from budget_pareto import build, chain, checkpointed_step
 from common import markdown_table, prepare
 
 import coexec
+from coexec import runtime
+from coexec.native_budget import planning_graph
 from executor import native
+from planner.graph import LOCAL
 
 MB = 1e6
 
@@ -105,6 +110,22 @@ class Native:
         return None if nb is None else nb.plan
 
 
+def activation_bytes(run: Native) -> int:
+    """The bytes a described step of ``run`` made before its backward started and still held
+    when it did (``bench/budget_pareto.py``'s ``activation_bytes``, over the description)."""
+    capture = runtime.capture()
+    capture.describe_next()
+    run.step()
+    d = capture.description()
+    g = planning_graph(d)
+    first = next(o.place for o in d.ops if "backward" in o.name)
+    return sum(
+        s.nbytes
+        for s in g.storages.values()
+        if s.kind == LOCAL and s.producer < first and max(s.uses[-1], s.release or 0) >= first
+    )
+
+
 def smallest_budget(name: str, batch: int) -> int:
     try:
         Native(name, batch, 1, ("native budget", name, "probe"))
@@ -143,9 +164,9 @@ def measure(name: str, batch: int, steps: int, fractions: list[float]) -> list[d
                  "peak MB": peak_of(free.step, persistent_bytes(free.z)) / MB,
                  "step ms": 1e3 * statistics.median(timed(free.step) for _ in range(steps))})  # fmt: skip
     sizer = Native(name, batch, 10**15, ("native budget", name, "sizer"))  # (a plan that drops nothing)
-    eager_planned, fixed = sizer.plan.eager_peak, sizer.plan.persistent_bytes
+    eager_planned, act = sizer.plan.eager_peak, activation_bytes(free)
     low = smallest_budget(name, batch)
-    budgets = [(f"{int(100 * f)}% of the step's bytes", int(fixed + f * (eager_planned - fixed))) for f in fractions]
+    budgets = [(f"act {int(100 * f)}%", int(eager_planned - (1 - f) * act)) for f in fractions]
     if checkpoints:  # (and the lowest peak checkpointing reaches: the two at equal peak)
         lowest = min(c["peak MB"] for c in checkpoints if c["setting"] != "1 segments") * MB
         budgets.append(("checkpointing's lowest peak", int(lowest)))
