@@ -306,9 +306,9 @@ class GradientTape:
     *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
     with plans: the GPU path, arenas, offloading), ``timeout`` (seconds any wait on the
     executor may take before it becomes an error), ``debug`` (print phase changes, fallbacks
-    and budget plans to stderr), ``key`` (a hashable naming the program explicitly; by default a program is the code
-    location of the ``with`` statement, so a generic training function used for two models can
-    give each its own key), ``arena`` (without a budget: co-executed steps run in the planned
+    and budget plans to stderr), ``key`` (a hashable naming the program explicitly; by default
+    a program is the code location of the ``with`` statement, so a generic training function
+    used for two models can give each its own key), ``arena`` (without a budget: co-executed steps run in the planned
     order, block by block, and write planned outputs into one preallocated arena; False: ops
     run as issued, every output from the allocator; under a budget: the arena is planned with
     it; ``None``, the default: on without a budget, off under one, where planning the arena
@@ -378,7 +378,7 @@ class GradientTape:
         if arena is not None and not isinstance(arena, bool):
             raise TypeError(f"arena must be True, False or None (on without a budget), got {arena!r}")
         self._arena_asked = arena
-        self.arena = self.memory_budget is None and backend != "native" if arena is None else arena
+        self.arena = self._arena()
         self._thread = threading.get_ident()
         self._program: Program | None = None
         self._step: _Step | _NativeStep | None = None
@@ -415,11 +415,18 @@ class GradientTape:
         _local.tape = self
         return self
 
+    def _arena(self) -> bool:
+        """``arena`` as asked, or its default: on without a budget, on the interpret backend."""
+        if self._arena_asked is not None:
+            return self._arena_asked
+        return self.memory_budget is None and self.backend != "native"
+
     def _leave_native(self) -> None:
         """``backend="auto"`` chose the native backend, whose module then failed to build (its
-        warning said why): the default backend's executor runs in Python instead."""
+        warning said why): the interpret backend runs the tape from now on (its executor in
+        Python)."""
         self.backend = "interpret"
-        self.arena = self.memory_budget is None if self._arena_asked is None else self._arena_asked
+        self.arena = self._arena()
         self._native_last = None
         if self.debug and self._program is not None:
             _log(
