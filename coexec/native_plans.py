@@ -7,7 +7,10 @@ takes the planner's Python, which would share the GIL with the steps here); the 
 plan arrives follow it (``Capture.follow``). A step that leaves the plan's path (another op
 where the plan expects one) is counted; after two such steps in a row, one is described again
 and planned anew, at most every 16 steps. A budget no plan can meet raises
-:class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs.
+:class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs. A step that
+meets ops new at their line (first sight, sizes not met there) is not described (those ops ran
+at once): where sizes change at every step none is, and after 8 such steps without a plan a
+``RuntimeWarning`` says so.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,6 +34,7 @@ from .plan_process import _child_path, _read, _write
 WARM_UP = 2  # unplanned steps before one is described (the capture meets the ops, then the backward)
 UNFOLLOWED = 2  # steps off the plan's path in a row before the path is planned again
 REPLAN_EVERY = 16  # steps at least between two descriptions
+UNPLANNABLE = 8  # steps in a row not described (ops new at their line) before a warning
 
 
 class _PlanChild:
@@ -91,8 +96,11 @@ def _submit(d: StepDescription, budget: int) -> Future:
 class NativeBudget:
     """One program's memory budget on the native backend (module docstring)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, where: str = "") -> None:
         self.budget = budget
+        self.where = where  # the ``with`` statement (for the warning below)
+        self.unplannable = 0  # steps in a row that were to be described and met new ops
+        self.warned = False
         self.plan: NativeBudgetPlan | None = None
         self.future: Future | None = None
         self.error: BudgetTooSmall | None = None
@@ -132,8 +140,21 @@ class NativeBudget:
         step allocated beyond what was live as it began)."""
         self.steps += 1
         if self.describing and capture.counters.misses > self.misses0:
-            pass  # (ops new at their line ran at once: not the path's settled ops; the next step is described)
+            # (ops new at their line ran at once: not the path's settled ops; the next step is described)
+            self.unplannable += 1
+            if self.unplannable >= UNPLANNABLE and self.plan is None and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"coexec: the memory budget of the step at {self.where} has no plan yet: the "
+                    f"last {self.unplannable} steps to be planned each met ops at sizes not seen "
+                    "at their lines before (sizes that change between steps), which run at once "
+                    "and cannot be planned; steps run unplanned, at eager's peak, until one "
+                    "repeats sizes met before (planning for sizes that vary is issue 17)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
         elif self.describing:
+            self.unplannable = 0
             self.future = _submit(capture.description(), self.budget)
             self.described_at = self.steps
             self.unfollowed = 0

@@ -721,7 +721,7 @@ class _NativeStep:
         if self.capture is not None:
             if budget is not None:  # (raises BudgetTooSmall before the step runs)
                 if program.native_budget is None or program.native_budget.budget != budget:
-                    program.native_budget = NativeBudget(budget)
+                    program.native_budget = NativeBudget(budget, program.where)
                 self.budget = program.native_budget
                 for line in self.budget.before(self.capture, native.wait()):
                     if debug and line:

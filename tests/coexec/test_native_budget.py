@@ -122,3 +122,19 @@ def test_each_dropped_storage_is_freed_after_its_own_last_need() -> None:
     assert drop_places(plan) == {1: [1], 2: [2]}
     sim = replay(g, plan.order, dropped=plan.dropped)
     assert sim.live[2] == 100 + 10 + 10  # (b, and what last_of_a and last_of_b made: a is gone)
+
+
+def test_a_budget_whose_steps_change_sizes_says_it_has_no_plan() -> None:
+    """Every step of the transformer with a random length meets sizes new at some line: no step
+    can be described, so the budget has no plan, and a warning says so once (rather than the
+    steps running at eager's peak in silence)."""
+    from examples.dynamic_programs import DYNAMIC_BY_NAME
+
+    program = DYNAMIC_BY_NAME["transformer_random_length"](0)
+    tape = coexec.GradientTape(backend="native", memory_budget="1MB", key=("native budget", "sizes"))
+    with pytest.warns(RuntimeWarning, match="has no plan yet") as caught:
+        for i in range(16):
+            with tape:
+                program.step(i)
+    assert len([w for w in caught if "has no plan yet" in str(w.message)]) == 1
+    assert tape.stats.planned_peak_bytes is None
