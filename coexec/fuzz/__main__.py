@@ -88,8 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="for each failure, find a smallest --features set that still fails",
     )  # fmt: skip
     ap.add_argument(
-        "--backend", choices=("interpret", "native"), default="interpret",
-        help="the GradientTape backend the coexec runs use",
+        "--backend", choices=("auto", "interpret", "native"), default="auto",
+        help="the GradientTape backend the coexec runs use (auto, the default, as GradientTape() "
+        "picks it: native on a machine without a GPU unless the program's options need interpret)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     seeds = range(args.seed, args.seed + args.programs)

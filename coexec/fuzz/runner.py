@@ -123,7 +123,8 @@ def run_once(
 ) -> RunResult:
     """Train ``spec`` for ``steps`` steps from ``torch.manual_seed(spec.seed)`` (under coexec
     with ``backend``; the native backend has no traces, arena or ``sync="none"``, so the
-    program's options for those are not used there)."""
+    program's options for those are not used there; ``"auto"`` is given them, and picks the
+    interpret backend where one needs it, as ``GradientTape()`` would)."""
     torch.manual_seed(spec.seed)
     state = build(spec)
     tape = None
