@@ -345,11 +345,15 @@ class GradientTape:
             raise ValueError(f"sync must be one of {SYNC_POLICIES}, got {sync!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}")
-        if backend == "native":
-            _check_native_options(sync, arena, memory_budget, offload)
-        self._auto = backend == "auto"
-        if self._auto:
+        if backend == "native" and (refusal := _native_refusal(sync, arena, offload)) is not None:
+            raise ValueError(refusal)
+        if backend == "auto":
             backend = _auto_backend(sync, arena, offload)
+            # (chosen while the native module may still be building: each step checks, until
+            # the build has ended, that it did not fail)
+            self._build_pending = backend == "native"
+        else:
+            self._build_pending = False
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
             raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
         if not timeout > 0:
@@ -395,8 +399,10 @@ class GradientTape:
         frame = sys._getframe(1)
         named = self.key is not None
         key = ("key", self.key) if named else (id(frame.f_code), frame.f_lasti)
-        if self._auto and self.backend == "native" and native.unavailable():
-            self._leave_native()
+        if self._build_pending and native.settled():
+            self._build_pending = False
+            if native.unavailable():
+                self._leave_native()
         if self.backend == "native":
             self._step = _NativeStep(self._native_program(key, frame), self.debug, self.memory_budget)
             _local.tape = self
@@ -681,25 +687,27 @@ def _auto_backend(sync: str, arena: bool | None, offload: bool | None) -> str:
     """What ``backend="auto"`` runs: the native backend where it can serve the tape (no GPU or
     other accelerator on the machine: it captures CPU steps only; no option only the
     interpret backend has; its module not known to be unbuildable), else the interpret backend."""
-    if arena or offload or sync != "step":
+    if _native_refusal(sync, arena, offload) is not None:
         return "interpret"
     return "interpret" if native.unavailable() or torch.accelerator.is_available() else "native"
 
 
-def _check_native_options(sync: str, arena: bool | None, memory_budget: Any, offload: bool | None) -> None:
-    """The options the native backend cannot honour yet say so, rather than being ignored."""
+def _native_refusal(sync: str, arena: bool | None, offload: bool | None) -> str | None:
+    """Why the native backend cannot honour these options (they would be ignored there), or
+    None: ``backend="native"`` raises it, ``"auto"`` picks the interpret backend."""
     if arena:
-        raise ValueError(
+        return (
             "arena=True: the native backend runs ops as issued, each output from the allocator "
             "(it plans memory by recomputation under a memory_budget); backend='interpret' plans an arena"
         )
     if offload:
-        raise ValueError(
+        return (
             "offload=True: the native backend meets a memory budget by recomputation only for now; "
             "backend='interpret' offloads"
         )
     if sync != "step":
-        raise ValueError("sync='none': a native-backend step always ends with its values computed")
+        return "sync='none': a native-backend step always ends with its values computed"
+    return None
 
 
 class _NativeStep:

@@ -55,6 +55,11 @@ def enabled() -> bool:
     return os.environ.get("COEXEC_NATIVE", "1") != "0"
 
 
+def settled() -> bool:
+    """Has the module's build ended (loaded, failed, or switched off)? (A cheap check.)"""
+    return _done.is_set()
+
+
 def unavailable() -> bool:
     """Is the module known not to load here: switched off, or its build failed? (False while
     it is still building.)"""

@@ -55,10 +55,12 @@ def test_a_build_that_fails_later_moves_the_tape_to_interpret(monkeypatch, capsy
     eager's."""
     program = next(p for p in PROGRAMS if p.name == "static_mlp")
     eager, co = program(0), program(0)
+    monkeypatch.setattr(native, "settled", lambda: False)  # (still building)
     tape = coexec.GradientTape(key=("auto", "build fails"), debug=True)
     assert tape.backend == "native"
     for i in range(6):
-        if i == 2:
+        if i == 2:  # (the build has ended, without a module)
+            monkeypatch.setattr(native, "settled", lambda: True)
             monkeypatch.setattr(native, "unavailable", lambda: True)
         want = eager.step(i)
         with tape:
