@@ -96,11 +96,10 @@ def _submit(d: StepDescription, budget: int) -> Future:
 class NativeBudget:
     """One program's memory budget on the native backend (module docstring)."""
 
-    def __init__(self, budget: int, where: str = "") -> None:
+    def __init__(self, budget: int, where: str) -> None:
         self.budget = budget
         self.where = where  # the ``with`` statement (for the warning below)
         self.unplannable = 0  # steps in a row that were to be described and met new ops
-        self.warned = False
         self.plan: NativeBudgetPlan | None = None
         self.future: Future | None = None
         self.error: BudgetTooSmall | None = None
@@ -142,8 +141,7 @@ class NativeBudget:
         if self.describing and capture.counters.misses > self.misses0:
             # (ops new at their line ran at once: not the path's settled ops; the next step is described)
             self.unplannable += 1
-            if self.unplannable >= UNPLANNABLE and self.plan is None and not self.warned:
-                self.warned = True
+            if self.unplannable == UNPLANNABLE and self.plan is None:  # (once a run of them)
                 warnings.warn(
                     f"coexec: the memory budget of the step at {self.where} has no plan yet: the "
                     f"last {self.unplannable} steps to be planned each met ops at sizes not seen "
