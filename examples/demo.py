@@ -15,13 +15,11 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import coexec  # noqa: E402
 from examples.programs import PROGRAMS  # noqa: E402
-from examples.train import state_of, train  # noqa: E402
+from examples.train import same_run, train  # noqa: E402
 
 
 def main() -> None:
@@ -45,11 +43,11 @@ def main() -> None:
         co, co_losses, tape, _ = train(
             program_cls.name, args.steps, True, quiet=True, backend="interpret"
         )
-        same = _same(co, co_losses, eager, eager_losses)
+        same = same_run(co, co_losses, eager, eager_losses)
         by_default, default_losses, default_tape, _ = train(
             program_cls.name, args.steps, True, quiet=True, backend="auto"
         )
-        same_by_default = _same(by_default, default_losses, eager, eager_losses)
+        same_by_default = same_run(by_default, default_losses, eager, eager_losses)
         all_equal &= same and same_by_default
         s, g, d = tape.stats, tape.graph.stats(), default_tape.stats
         row = [program_cls.name, s.last_ops, s.traces, f"{s.coexec_steps}/{s.steps}", s.fallbacks,
@@ -62,13 +60,6 @@ def main() -> None:
     print(f"\nall programs bit-equal to eager: {'yes' if all_equal else 'NO'}")
     print(f"TraceGraphs in {args.out}/ (e.g. dot -Tsvg {args.out}/sdpoint.dot -o sdpoint.svg)")
     sys.exit(0 if all_equal else 1)
-
-
-def _same(program, losses, eager, eager_losses) -> bool:
-    """Bit-equal losses and final state."""
-    return losses == eager_losses and all(
-        torch.equal(a, b) for a, b in zip(state_of(program), state_of(eager))
-    )
 
 
 if __name__ == "__main__":

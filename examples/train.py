@@ -45,6 +45,13 @@ def train(
     return program, losses, tape, seconds
 
 
+def same_run(program, losses, other, other_losses) -> bool:
+    """Bit-equal losses and final state."""
+    return losses == other_losses and all(
+        torch.equal(a, b) for a, b in zip(state_of(program), state_of(other))
+    )
+
+
 def state_of(program) -> list[torch.Tensor]:
     out = []
     for obj in vars(program).values():
@@ -83,9 +90,7 @@ def main() -> int:
         print(tape.stats)
         if args.check:
             ref, ref_losses, _, _ = train(args.program, args.steps, False, args.seed, quiet=True)
-            same = losses == ref_losses and all(
-                torch.equal(a, b) for a, b in zip(state_of(program), state_of(ref))
-            )
+            same = same_run(program, losses, ref, ref_losses)
             print("bit-equal to eager" if same else "DIFFERENT from eager")
             return 0 if same else 1
     return 0
