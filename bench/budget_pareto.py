@@ -141,8 +141,13 @@ def median_seconds(step, steps: int) -> float:
 
 
 def activation_bytes(trace) -> int:
-    g = PlanningGraph.from_trace(trace)
     first_bwd = next(i for i, op in enumerate(trace.ops) if op.is_backward)
+    return held_across(PlanningGraph.from_trace(trace), first_bwd)
+
+
+def held_across(g: PlanningGraph, first_bwd: int) -> int:
+    """The activation memory: bytes the step made before op ``first_bwd`` (the backward's first)
+    and still held when it runs."""
     return sum(
         s.nbytes
         for s in g.storages.values()

@@ -46,14 +46,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_pareto import build, chain, checkpointed_step
+from budget_pareto import build, chain, checkpointed_step, held_across
 from common import markdown_table, prepare
 
 import coexec
 from coexec import runtime
 from coexec.native_budget import planning_graph
 from executor import native
-from planner.graph import LOCAL
 
 MB = 1e6
 
@@ -117,13 +116,7 @@ def activation_bytes(run: Native) -> int:
     capture.describe_next()
     run.step()
     d = capture.description()
-    g = planning_graph(d)
-    first = next(o.place for o in d.ops if "backward" in o.name)
-    return sum(
-        s.nbytes
-        for s in g.storages.values()
-        if s.kind == LOCAL and s.producer < first and max(s.uses[-1], s.release or 0) >= first
-    )
+    return held_across(planning_graph(d), next(o.place for o in d.ops if "backward" in o.name))
 
 
 def smallest_budget(name: str, batch: int) -> int:

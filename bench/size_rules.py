@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,13 +68,7 @@ class Call:
 
 
 def _metas(args) -> list[torch.Tensor]:
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(x for x in a if isinstance(x, torch.Tensor))
-    return out
+    return [x for x in tree_leaves(list(args)) if isinstance(x, torch.Tensor)]
 
 
 def call_of(args, result) -> Call:
