@@ -4,8 +4,9 @@
                                   [--out bench/out]
 
 Per program, one instance trains eagerly and one under
-``coexec.GradientTape(backend="interpret")`` from the same seed, each for ``--steps`` steps (the
-eager run first, then the coexec run, each built just before it runs and timed as a whole).
+``coexec.GradientTape(backend="interpret")`` from the same seed, for ``--steps`` steps, taking
+turns step by step, each under its own torch RNG state (so each draws what it would alone, and
+a coexec step's time is paired with the same step's eager time).
 Columns, the figures issue 17 asks for:
 
 * ``traces``, ``fallbacks``, ``coexec steps``: from the tape's stats after the run;
@@ -13,7 +14,11 @@ Columns, the figures issue 17 asks for:
   of the steps after it, the share that co-executed (issue 17 asks for at least 90%, with at
   most 4 traces);
 * ``phase``: the program's phase at the end (``eager``: it gave up after ``max_traces``);
-* ``ratio``: the coexec run's time over the eager run's (the whole run: tracing included);
+* ``ops on the worker after warm-up %`` (native backend): of the ops of the steps after the
+  first, the share the worker computed (the others ran at once on the step's thread: ops the
+  capture could not answer, ``.item()``);
+* ``ratio``: the coexec steps' time over the eager steps' (the whole run: tracing included);
+  ``ratio after warm-up``: over the steps after the first co-executed one;
 * ``bit-equal``: losses and final parameters and optimizer state.
 
 ``--backend native`` runs the coexec copy under ``GradientTape(backend="native")`` (no traces:
@@ -41,29 +46,54 @@ from executor import native  # noqa: E402
 from tests.coexec.helpers import as_float, tensors_of  # noqa: E402
 
 
+class _OwnRNG:
+    """A program copy's own torch RNG state: swapped in around each of its steps, so the eager
+    and the coexec copy can take turns step by step and still draw what each would alone."""
+
+    def __init__(self) -> None:
+        self.state = torch.get_rng_state()
+
+    def __enter__(self) -> None:
+        self.outer = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        self.state = torch.get_rng_state()
+        torch.set_rng_state(self.outer)
+
+
 def measure(program: type, steps: int, backend: str = "interpret") -> dict:
-    eager = program(0)  # (each built just before it runs: both start from the seed's RNG state)
-    t0 = time.perf_counter()
-    eager_losses = [as_float(eager.step(i)) for i in range(steps)]
-    eager_s = time.perf_counter() - t0
-    co = program(0)
+    # (each copy built from the seed's RNG state, then the two take turns, step by step, each
+    # under its own RNG state: a step's time is paired with the same step eagerly)
+    eager, eager_rng = program(0), _OwnRNG()
+    co, co_rng = program(0), _OwnRNG()
     tape = coexec.GradientTape(key=("dynamic-sizes", program.name, backend), backend=backend)
-    co_losses, first_coexec = [], None
-    t0 = time.perf_counter()
+    eager_losses, co_losses, first_coexec = [], [], None
+    eager_t, co_t, worker_ops, ops = [], [], 0, 0
     for i in range(steps):
+        with eager_rng:
+            t0 = time.perf_counter()
+            eager_losses.append(as_float(eager.step(i)))
+            eager_t.append(time.perf_counter() - t0)
         before = tape.stats.coexec_steps
-        with tape:
-            loss = co.step(i)
+        with co_rng:
+            t0 = time.perf_counter()
+            with tape:
+                loss = co.step(i)
+            co_t.append(time.perf_counter() - t0)
         co_losses.append(as_float(loss))
         if first_coexec is None and tape.stats.coexec_steps > before:
             first_coexec = i
-    co_s = time.perf_counter() - t0
+        elif first_coexec is not None and tape.backend == "native":
+            worker_ops += tape.stats.native_ops
+            ops += tape.stats.last_ops
     s = tape.stats
+    warm = first_coexec + 1 if first_coexec is not None else steps
     after = steps - first_coexec if first_coexec is not None else 0
     same = co_losses == eager_losses and all(
         torch.equal(a, b) for a, b in zip(tensors_of(vars(co)), tensors_of(vars(eager)))
     )
-    return {
+    row = {
         "program": program.name,
         "steps": steps,
         "traces": s.traces,
@@ -72,11 +102,17 @@ def measure(program: type, steps: int, backend: str = "interpret") -> dict:
         "warm-up": first_coexec if first_coexec is not None else steps,
         "co-executed after warm-up %": 100.0 * s.coexec_steps / after if after else 0.0,
         "phase": s.phase,
-        "eager s": eager_s,
-        "coexec s": co_s,
-        "ratio": co_s / eager_s,
-        "bit-equal": same,
     }
+    if tape.backend == "native":
+        row["ops on the worker after warm-up %"] = 100.0 * worker_ops / ops if ops else 0.0
+    row.update({
+        "eager s": sum(eager_t),
+        "coexec s": sum(co_t),
+        "ratio": sum(co_t) / sum(eager_t),
+        "ratio after warm-up": sum(co_t[warm:]) / sum(eager_t[warm:]) if warm < steps else float("nan"),
+        "bit-equal": same,
+    })  # fmt: skip
+    return row
 
 
 def main() -> None:

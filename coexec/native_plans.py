@@ -34,7 +34,7 @@ from .plan_process import _child_path, _read, _write
 WARM_UP = 2  # unplanned steps before one is described (the capture meets the ops, then the backward)
 UNFOLLOWED = 2  # steps off the plan's path in a row before the path is planned again
 REPLAN_EVERY = 16  # steps at least between two descriptions
-UNPLANNABLE = 8  # steps in a row not described (ops new at their line) before a warning
+UNPLANNABLE = 8  # steps in a row not described (ops ran at once) or off the plan, before a warning
 
 
 class _PlanChild:
@@ -99,7 +99,8 @@ class NativeBudget:
     def __init__(self, budget: int, where: str) -> None:
         self.budget = budget
         self.where = where  # the ``with`` statement (for the warning below)
-        self.unplannable = 0  # steps in a row that were to be described and met new ops
+        self.unplannable = 0  # steps in a row that ran at once ops to be described, or off the plan
+        self.warned = False  # (the warning on unplanned steps: once)
         self.plan: NativeBudgetPlan | None = None
         self.future: Future | None = None
         self.error: BudgetTooSmall | None = None
@@ -141,23 +142,18 @@ class NativeBudget:
         if self.describing and capture.counters.misses > self.misses0:
             # (ops new at their line ran at once: not the path's settled ops; the next step is described)
             self.unplannable += 1
-            if self.unplannable == UNPLANNABLE and self.plan is None:  # (once a run of them)
-                warnings.warn(
-                    f"coexec: the memory budget of the step at {self.where} has no plan yet: the "
-                    f"last {self.unplannable} steps to be planned each met ops at sizes not seen "
-                    "at their lines before (sizes that change between steps), which run at once "
-                    "and cannot be planned; steps run unplanned, at eager's peak, until one "
-                    "repeats sizes met before (planning for sizes that vary is issue 17)",
-                    RuntimeWarning,
-                    stacklevel=1,
-                )
         elif self.describing:
             self.unplannable = 0
             self.future = _submit(capture.description(), self.budget)
             self.described_at = self.steps
             self.unfollowed = 0
         elif self.plan is not None:
+            # (a step off the plan's path: other ops, or other sizes, than the step planned)
             self.unfollowed = 0 if capture.followed else self.unfollowed + 1
+            self.unplannable = 0 if capture.followed else self.unplannable + 1
+        if self.unplannable >= UNPLANNABLE and not self.warned:
+            self.warned = True
+            self._warn_unplanned()
         persistent = self.plan.persistent_bytes if self.plan is not None else 0
         stats.peak_bytes = persistent + cpu.cpu_bytes()[1] - self.live0
         stats.planned_peak_bytes = self.plan.planned_peak if self.plan is not None else None
@@ -166,6 +162,26 @@ class NativeBudget:
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
         if self.plan is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
+
+    def _warn_unplanned(self) -> None:
+        if self.plan is None:
+            why = (
+                "has no plan yet: the last {n} steps to be planned each met ops that ran at once "
+                "(ops the capture could not answer at sizes not seen at their lines before), which "
+                "cannot be planned; steps run unplanned, at eager's peak, until one repeats sizes met before"
+            )
+        else:
+            why = (
+                "has a plan that the last {n} steps did not follow: their ops or sizes differ from "
+                "the step planned (sizes that change between steps: a plan covers the sizes it was "
+                "made for), so they ran unplanned, at eager's peak"
+            )
+        warnings.warn(
+            f"coexec: the memory budget of the step at {self.where} " + why.format(n=self.unplannable)
+            + " (planning for sizes that vary is issue 17)",
+            RuntimeWarning,
+            stacklevel=1,
+        )
 
     def _take(self) -> str:
         f, self.future = self.future, None

@@ -77,6 +77,7 @@ class CaptureCounters(NamedTuple):
     dropped: int  # values a memory plan dropped (:meth:`Capture.follow`)
     remade: int  # dropped values made again (read after their drop)
     remade_seconds: float  # the time their ops took, on whichever thread read them
+    shaped: int  # ops new at their line whose outputs the shape oracle computed (native/capture_shapes.h)
 
 
 class Capture:
@@ -109,12 +110,12 @@ class Capture:
 
     @property
     def counters(self) -> CaptureCounters:
-        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls, dropped, remade, remade_ns = (
+        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls, dropped, remade, remade_ns, shaped = (
             self._c.counters
         )
         return CaptureCounters(
             ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9, blocks,
-            calls, dropped, remade, remade_ns * 1e-9,
+            calls, dropped, remade, remade_ns * 1e-9, shaped,
         )  # fmt: skip
 
     def describe_next(self) -> None:

@@ -30,12 +30,17 @@ from types import ModuleType
 _DIR = Path(__file__).resolve().parent / "native"
 _SOURCES = [_DIR / "module.cpp", _DIR / "capture.cpp"]
 _FLAGS = ["-O2"]
+_GENERATOR = Path(__file__).resolve().parent / "structured_meta.py"
 
 
 def _name() -> str:
     """The module's name: a hash of every source file and the flags, so a build in the cache
     is used exactly when it was built from these sources."""
-    h = hashlib.sha256(repr(_FLAGS).encode())
+    import torch
+
+    # (torch's version: the module is compiled against its headers, and capture_shapes.h's
+    # table is generated from its native_functions.yaml by structured_meta.py)
+    h = hashlib.sha256(repr(_FLAGS).encode() + torch.__version__.encode() + _GENERATOR.read_bytes())
     for f in sorted(_DIR.iterdir()):
         if f.suffix in (".cpp", ".h"):
             h.update(f.name.encode() + f.read_bytes())
@@ -142,9 +147,14 @@ def _compile() -> Path:
             lock.unlink()
     except FileNotFoundError:
         pass
+    from executor import structured_meta
+
+    where.mkdir(parents=True, exist_ok=True)
+    structured_meta.write(where / structured_meta.HEADER)  # (included by capture_shapes.h)
     script = (
         "from torch.utils import cpp_extension; "
-        f"cpp_extension.load(name={_NAME!r}, sources={[str(s) for s in _SOURCES]!r}, extra_cflags={_FLAGS!r})"
+        f"cpp_extension.load(name={_NAME!r}, sources={[str(s) for s in _SOURCES]!r}, extra_cflags={_FLAGS!r}, "
+        f"extra_include_paths={[str(where)]!r})"
     )
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
     return built

@@ -14,16 +14,19 @@
 // * An op's output metadata comes from a cache keyed by the op, the Python location of the call
 //   (code object, bytecode offset) and its count at that location in the step (the backward's
 //   ops all come from one location), checked against the inputs' metadata and the arguments that
-//   are not tensors. An op the cache cannot answer, one whose result Python reads (``.item()``),
-//   one whose output shape depends on data, or an in-place op that changes metadata (a miss)
-//   waits for the worker and runs at once, as eager would, and fills the cache.
+//   are not tensors. An op the cache cannot answer (a new size) is answered by the shape oracle
+//   (capture_shapes.h), which computes its output metadata from its own CPU code without data,
+//   as a new variant. One neither answers, one whose result Python reads (``.item()``), one
+//   whose output shape depends on data, or an in-place op that changes metadata (a miss) waits
+//   for the worker and runs at once, as eager would, and fills the cache.
 // * A plain ``loss.backward()`` after a path seen before issues the ops the engine made then,
 //   without running it (capture_blocks.h); executor/capture.py swaps ``torch.autograd.backward``
 //   in a step to ask.
 // * Modes: "async" (the worker computes as ops come), "replay" (nothing computed during the
 //   step; replay() runs the tape afterwards: the check that the tape is complete) and "tape"
 //   (nothing computed: what the skeleton alone costs). Where nothing is computed during the
-//   step, a miss's metadata comes from the op's meta kernel (150-300 us; ``.item()`` fails).
+//   step, a miss the oracle cannot answer takes its metadata from the op's meta kernel
+//   (150-300 us where it is Python; ``.item()`` fails).
 //
 // The kernel is registered at the first Capture, never at import.
 #include "capture.h"
@@ -69,6 +72,7 @@
 #include "capture_blocks.h"
 #include "capture_cache.h"
 #include "capture_placeholders.h"
+#include "capture_shapes.h"
 #include "capture_worker.h"
 #include "cpu_bytes.h"
 
@@ -245,7 +249,7 @@ class Capture {
   py::tuple counters() const {
     return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
                           worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_,
-                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load());
+                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load(), shaped_);
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -380,6 +384,7 @@ class Capture {
   std::array<std::pair<PyCodeObject*, bool>, kHotCodes> hot_codes_{};  // (internal)
   std::vector<std::string> internal_;  // the directories whose code is not the user's
   int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
+  int64_t shaped_ = 0;  // ops new at their line whose outputs the shape oracle computed
   uint64_t sample_ = 0x9E3779B97F4A7C15ull;  // (timed_now)
   uint64_t next_entry_id_ = 1;
 
@@ -648,7 +653,7 @@ class Capture {
   // Cache what `op` made (its returns on `stack`) from `args`, whose tensors had the metadata
   // `inputs` before it ran (an ``out=`` that resizes changed its argument's since).
   const Entry& fill(const c10::OperatorHandle& op, const Key& key, Args args, std::vector<TensorMeta> inputs,
-                    const torch::jit::Stack& stack) {
+                    const torch::jit::Stack& stack, bool shaped = false) {
     const auto& schema = op.schema();
     Entry e;
     e.inputs = std::move(inputs);
@@ -656,6 +661,7 @@ class Capture {
     e.outputs = out_metas(stack, schema.returns().size());
     for (size_t r = 0; r < schema.returns().size(); ++r) e.written.push_back(written_arg(schema, r));
     e.run_now = must_run_now(op);
+    e.shaped = shaped;
     e.id = next_entry_id_++;
     auto& variants = cache_[key];
     for (auto it = variants.begin(); it != variants.end(); ++it)
@@ -667,6 +673,17 @@ class Capture {
     if (variants.size() >= kVariants) variants.erase(variants.begin());
     variants.push_back(std::move(e));
     return variants.back();
+  }
+
+  // A call at `key` that no variant there matches (a new size), answered by the shape oracle
+  // (capture_shapes.h) as a new variant; null where it cannot (the op runs at once).
+  const Entry* shape(const c10::OperatorHandle& op, const Key& key, Args args) {
+    torch::jit::Stack out;
+    if (!shape_outputs(op, args, out)) return nullptr;
+    std::vector<TensorMeta> inputs;
+    input_metas(args, inputs);
+    ++shaped_;
+    return &fill(op, key, args, std::move(inputs), out, true);
   }
 
   void run_now(const c10::OperatorHandle& op, const Key& key, Args args,
@@ -1119,6 +1136,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (it != cache_.end())
     for (auto v = it->second.rbegin(); v != it->second.rend() && cached == nullptr; ++v)
       if (matches(*v, schema, args)) cached = &*v;
+  if (cached == nullptr) cached = shape(op, key, args);
   if (mode_ == Mode::kAsync && (cached == nullptr || cached->run_now || changes_written(*cached, args))) {
     if (cached == nullptr) {
       ++misses_;
@@ -1160,12 +1178,14 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         l.push_back(make_ph(t));
         number(l.back());
         entry.out_slots.push_back(slot_of(l.back()));
+        if (cached->shaped) entry.expect.push_back(t);
       }
       out = std::move(l);
     } else {
       at::Tensor t = make_ph(m.tensors[0]);
       number(t);
       entry.out_slots.push_back(slot_of(t));
+      if (cached->shaped) entry.expect.push_back(m.tensors[0]);
       out = std::move(t);
     }
     stack->push_back(std::move(out));
@@ -1208,6 +1228,10 @@ void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   Capture* c = g_active.load(std::memory_order_relaxed);
   if (g_debug) std::cerr << "coexec capture: " << op.schema().name() << "." << op.schema().overload_name() << (c ? "" : " (outside a step)") << std::endl;
+  if (t_shaping) {  // (an op the shape oracle's kernel called: answered the same way)
+    shape_call(op, stack);
+    return;
+  }
   if (c == nullptr) {
     outside(op, stack);
     return;

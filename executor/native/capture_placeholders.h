@@ -133,6 +133,18 @@ struct PlaceholderImpl : c10::TensorImpl {
     set_storage_offset(offset);
   }
 
+  // Hold a storage of `nbytes` whose data cannot be read or written (a shape placeholder,
+  // capture_shapes.h): a kernel run on it fails where it would touch data, and finds a storage
+  // where it asks for one (TensorIterator's overlap checks).
+  void hold_no_data(int64_t nbytes) {
+    auto s = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                                   at::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr, false);
+    s->release_data_and_set_meta_custom_data_ptr_error_msg_("coexec: a shape placeholder has no data");
+    s->set_throw_on_mutable_data_ptr();
+    storage_ = c10::Storage(std::move(s));
+    storage_access_should_throw_ = false;
+  }
+
   // Become the value: its storage, offset and dispatch keys. False: it has none (yet).
   bool realize() {
     if (!key_set_.has(kKey) || !slot) return false;

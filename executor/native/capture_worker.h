@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "capture_placeholders.h"
+#include "capture_shapes.h"
 #include "cpu_bytes.h"
 #include "grave.h"
 
@@ -57,6 +58,8 @@ struct TapeEntry {
   std::vector<std::shared_ptr<Slot>> out_slots;
   // values the skeleton let go of since the op before (t_trash): let go of by the worker
   std::vector<at::Tensor> trash;
+  // per out slot, the metadata the shape oracle answered with (capture_shapes.h): checked when it runs
+  std::vector<TensorMeta> expect;
 
   // Ready for another op (capacity kept).
   void clear() {
@@ -67,6 +70,7 @@ struct TapeEntry {
     out_begin.clear();
     out_slots.clear();
     trash.clear();
+    expect.clear();
   }
 
   // Append argument `iv`.
@@ -263,8 +267,23 @@ void run_op(const TapeEntry& e, Out outs, StepLog* log) {
   }
 }
 
+// The shape oracle's answer against what the op made: a mismatch (a coexec bug) stops the oracle
+// in this process, and the step fails at its next wait (Python already holds tensors of the
+// wrong shape).
+void check_shaped(const TapeEntry& e, uint32_t i, const at::Tensor& t) {
+  const TensorMeta& m = e.expect[i];
+  if (m.dtype == c10::ScalarType::Undefined || m.same(t)) return;
+  g_shapes_broken.store(true);
+  TORCH_CHECK(false, "coexec: the capture computed that ", e.op->schema().name(), " makes sizes ",
+              c10::IntArrayRef(m.sizes), ", strides ", c10::IntArrayRef(m.strides), ", offset ", m.offset, " and dtype ",
+              m.dtype, ", but it made sizes ", t.sizes(), ", strides ", t.strides(), ", offset ", t.storage_offset(),
+              " and dtype ", t.scalar_type(),
+              " (a coexec bug: please report it; the capture runs such ops at once from now on in this process)");
+}
+
 void run_entry(const TapeEntry& e, StepLog* log = nullptr) {
   run_op(e, [&e](uint32_t i, const at::Tensor& t) {
+    if (!e.expect.empty()) check_shaped(e, i, t);
     if (e.out_slots[i]) e.out_slots[i]->real = t;
   }, log);
 }

@@ -124,17 +124,69 @@ def test_each_dropped_storage_is_freed_after_its_own_last_need() -> None:
     assert sim.live[2] == 100 + 10 + 10  # (b, and what last_of_a and last_of_b made: a is gone)
 
 
-def test_a_budget_whose_steps_change_sizes_says_it_has_no_plan() -> None:
+def _warned_until(tape: coexec.GradientTape, step, words: str) -> list:
+    """Steps ``step(i)`` under ``tape`` until a RuntimeWarning with ``words`` comes (its
+    planning process may take seconds to start), then 40 more; the warnings."""
+    deadline = time.monotonic() + 120
+    with pytest.warns(RuntimeWarning, match=words) as caught:
+        for i in range(10**6):
+            assert time.monotonic() < deadline, "no warning in 120 s"
+            with tape:
+                step(i)
+            if any(words in str(c.message) for c in caught):
+                break
+            time.sleep(0.02)
+        for j in range(i + 1, i + 40):  # (more of them, and replanned: no second warning)
+            with tape:
+                step(j)
+    return [c for c in caught if words in str(c.message)]
+
+
+def test_a_budget_whose_steps_run_ops_at_once_at_new_sizes_says_it_has_no_plan() -> None:
     """A step whose sizes are new at every step (a length drawn per step, here one never used
-    elsewhere in the process) cannot be described, so the budget has no plan, and a warning says
-    so once (rather than the steps running at eager's peak in silence)."""
+    elsewhere in the process) and which has an op the capture cannot answer without running it
+    (``layer_norm``'s CPU kernel) runs that op at once, so it cannot be described: the budget
+    has no plan, and a warning says so once (rather than the steps running at eager's peak in
+    silence)."""
     torch.manual_seed(0)
     w = torch.randn(16, 8, requires_grad=True)
     tape = coexec.GradientTape(backend="native", memory_budget="1GB", key=("native budget", "sizes"))
-    with pytest.warns(RuntimeWarning, match="has no plan yet") as caught:
-        for i in range(16):
-            with tape:
-                x = torch.randn(1000 + 13 * i, 16)
-                (torch.tanh(x @ w) ** 2).mean().backward()
-    assert len([w for w in caught if "has no plan yet" in str(w.message)]) == 1
-    assert tape.stats.planned_peak_bytes is None and tape.stats.steps == 16
+
+    def step(i: int) -> None:
+        x = torch.randn(1000 + 13 * i, 16)
+        (F.layer_norm(torch.tanh(x @ w), (8,)) ** 2).mean().backward()
+
+    assert len(_warned_until(tape, step, "has no plan yet")) == 1
+    assert tape.stats.planned_peak_bytes is None
+
+
+def test_a_budget_whose_ops_change_every_step_says_its_plan_does_not_fit_them() -> None:
+    """A step with one more layer at every step is described and planned, but no later step has
+    the planned step's ops, so none follows the plan: a warning says so once."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    tape = coexec.GradientTape(backend="native", memory_budget="1GB", key=("native budget", "depth"))
+
+    def step(i: int) -> None:
+        h = torch.randn(64, 16)
+        for _ in range(i + 1):
+            h = torch.tanh(h @ w)
+        h.sum().backward()
+
+    assert len(_warned_until(tape, step, "did not follow")) == 1
+    assert tape.stats.planned_peak_bytes is not None
+
+
+def test_a_plan_made_at_one_size_is_followed_at_others() -> None:
+    """Following a plan asks for the planned step's ops, not its sizes: a step whose batch size
+    changes follows a plan made at another size (recomputing what it drops, bit-equal)."""
+    probe = coexec.GradientTape(backend="native", memory_budget=1, key=("native budget", "sized probe"))
+    with pytest.raises(coexec.BudgetTooSmall) as small:
+        _train_until_planned(probe, _state(), _state(), 1)
+    budget = small.value.smallest + 64 * 256 * 4
+    tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("native budget", "sized"))
+    eager, captured = _state(), _state()
+    for state in (eager, captured):  # (batches of 256 and 224 rows in turn)
+        state["data"] = [(x[: 256 - 32 * (k % 2)], y[: 256 - 32 * (k % 2)]) for k, (x, y) in enumerate(state["data"])]
+    recomputed = _train_until_planned(tape, eager, captured, 6)
+    assert all(r > 0 for r in recomputed)

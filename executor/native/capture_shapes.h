@@ -1,0 +1,275 @@
+// Capture's shape oracle (capture.cpp): what an op makes that the cache has not met (a new size),
+// computed exactly without running it, so that the op still goes to the worker.
+// Internal to capture.cpp, the only file that includes it (hence the anonymous namespace).
+//
+// The answer is the op's own CPU code run on shape placeholders (placeholders without a slot,
+// whose storage throws where its data is read or written), with every op it calls answered the
+// same way, down to ops whose output metadata C++ computes without data:
+//
+// * a structured kernel: its meta function (``at::meta::add``), which its CPU kernel runs first
+//   to size its output (torch's Python meta kernels over them are skipped: slow, and not the
+//   CPU's code), through a table generated for the installed torch (executor/structured_meta.py);
+// * an op with a C++ Meta kernel (``view``, ``as_strided``, ``empty``): that kernel, on meta tensors;
+// * an in-place op that keeps its argument's metadata (``masked_fill_``, ``zero_``): the argument;
+// * any other op: the kernel the CPU would run (its own, or a composite one), on shape
+//   placeholders, recursively.
+//
+// A kernel that reads data (a CPU kernel's loop, ``.item()``) fails there (c10's error, or
+// NotShaped), and the op runs at once as before. So an answer is either the CPU's
+// own metadata or none. The worker checks every answer against what the op made all the same
+// (capture_worker.h, check_shaped): a mismatch fails the step and stops the oracle for good.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/MetaFunctions.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/EmptyTensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <atomic>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "capture_cache.h"
+#include "capture_placeholders.h"
+
+namespace coexec {
+namespace {
+
+// Thrown inside the oracle: this op's outputs are not computed without running it.
+struct NotShaped {};
+
+// On the step's thread, while the oracle runs: ops on shape placeholders come back to it.
+thread_local bool t_shaping = false;
+
+// An answer the worker found wrong (a coexec bug): the oracle answers no more in this process.
+std::atomic<bool> g_shapes_broken{false};
+
+using MetaTable = std::unordered_map<c10::OperatorName, c10::KernelFunction>;
+
+template <class F>
+void put(MetaTable& t, const char* name, const char* overload, F* fn) {
+  t.emplace(c10::OperatorName(name, overload), c10::KernelFunction::makeFromUnboxedRuntimeFunction(fn));
+}
+
+// The structured kernels' meta functions, by op.
+const MetaTable& structured_meta() {
+  static const MetaTable* table = [] {
+    auto* tp = new MetaTable;
+    MetaTable& t = *tp;
+#include "coexec_structured_meta.inc"
+    return tp;
+  }();
+  return *table;
+}
+
+enum class Way : uint8_t { kNone, kStructured, kMeta, kInPlace, kKernel };
+
+struct OpWay {
+  Way way = Way::kNone;
+  const c10::KernelFunction* meta = nullptr;  // (kStructured)
+  int64_t tried = 0, answered = 0;  // top-level calls: an op never answered stops being tried
+};
+
+// The registration line of dispatch key `key` in the op's dump ("" if none; "Meta (inactive)"
+// lines are not "Meta: " ones).
+std::string registration(const std::string& dump, const std::string& key) {
+  const std::string head = key + ": registered at ";
+  size_t at = dump.rfind("\n" + head) != std::string::npos ? dump.rfind("\n" + head) + 1 : std::string::npos;
+  if (at == std::string::npos && dump.compare(0, head.size(), head) == 0) at = 0;
+  if (at == std::string::npos) return "";
+  const size_t end = dump.find('\n', at);
+  return dump.substr(at, end == std::string::npos ? std::string::npos : end - at);
+}
+
+bool from_python(const std::string& line) { return line.find(".py:") != std::string::npos; }
+
+// Does the op keep every written argument's metadata? (Not a view in place, a resize, an out=.)
+bool keeps_metadata(const c10::OperatorHandle& op) {
+  const auto& schema = op.schema();
+  if (op.hasTag(at::Tag::inplace_view) || schema.name().find("resize") != std::string::npos ||
+      schema.name() == "aten::set_")
+    return false;
+  bool writes = false;
+  for (const auto& a : schema.arguments()) {
+    const auto* alias = a.alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    if (a.kwarg_only()) return false;  // (an out=: resized to what the op makes)
+    writes = true;
+  }
+  for (size_t r = 0; r < schema.returns().size(); ++r)
+    if (written_arg(schema, r) < 0) return false;
+  return writes;
+}
+
+// How the oracle answers `op` (found once per op).
+OpWay find_way(const c10::OperatorHandle& op) {
+  OpWay w;
+  const auto& schema = op.schema();
+  if (schema.name().rfind("aten::", 0) != 0 || must_run_now(op)) return w;
+  const auto& table = structured_meta();
+  if (auto it = table.find(op.operator_name()); it != table.end()) {
+    w.way = Way::kStructured;
+    w.meta = &it->second;
+    return w;
+  }
+  const std::string dump = op.dumpState();
+  const std::string meta = registration(dump, "Meta");
+  if (!meta.empty() && !from_python(meta)) {
+    w.way = Way::kMeta;
+  } else if (keeps_metadata(op)) {
+    w.way = Way::kInPlace;
+  } else if (op.hasTag(at::Tag::nondeterministic_seeded) && op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+    // (a random op's own CPU kernel may draw from its generator before it reads data, while
+    // the worker draws from it; a composite one draws through the ops it calls, and an
+    // in-place one, above, is answered without drawing)
+  } else if (!from_python(registration(dump, "CPU")) && !from_python(registration(dump, "CompositeExplicitAutograd")) &&
+             !from_python(registration(dump, "CompositeExplicitAutogradNonFunctional")) &&
+             (op.hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+              op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+              op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))) {
+    w.way = Way::kKernel;
+  }
+  return w;
+}
+
+OpWay& way_of(const c10::OperatorHandle& op) {
+  static std::unordered_map<const void*, OpWay> ways;  // (the step's thread only)
+  auto it = ways.find(&op.schema());
+  if (it == ways.end()) it = ways.emplace(&op.schema(), find_way(op)).first;
+  return it->second;
+}
+
+// The elements of storage that a tensor with this metadata reaches (offset included).
+int64_t storage_elements(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset) {
+  int64_t n = offset + 1;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == 0) return offset;
+    n += (sizes[i] - 1) * strides[i];
+  }
+  return n;
+}
+
+// A meta tensor with t's metadata (made without the dispatcher: the capture's key is on).
+at::Tensor as_meta(const at::Tensor& t) {
+  if (!t.defined() || t.is_meta()) return t;
+  at::Tensor m = at::detail::empty_meta({storage_elements(t.sizes(), t.strides(), t.storage_offset())},
+                                        t.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  auto* impl = m.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) impl->set_wrapped_number(true);
+  return m;
+}
+
+// Is t a shape tensor: a shape placeholder (a placeholder without a slot) or a view a kernel
+// made of one (a plain TensorImpl with the capture's key and its storage)? Only the oracle
+// holds them.
+bool is_shape(const at::Tensor& t) {
+  if (!is_ph(t)) return false;
+  const auto* p = dynamic_cast<const PlaceholderImpl*>(t.unsafeGetTensorImpl());
+  return p == nullptr || !p->slot;
+}
+
+// A shape placeholder with t's metadata (t itself if it is one).
+at::Tensor as_shape(const at::Tensor& t) {
+  if (!t.defined() || is_shape(t)) return t;
+  auto impl = c10::make_intrusive<PlaceholderImpl>(t.dtype(), nullptr);
+  impl->take_metadata(t.sizes(), t.strides(), t.storage_offset());
+  impl->hold_no_data(storage_elements(t.sizes(), t.strides(), t.storage_offset()) *
+                     static_cast<int64_t>(t.dtype().itemsize()));
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) impl->set_wrapped_number(true);
+  return at::Tensor(std::move(impl));
+}
+
+// Answer `op` on its stack: its returns for its arguments (shape placeholders, or tensors a
+// kernel made), or throw.
+void shape_call(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const OpWay& w = way_of(op);
+  const auto& schema = op.schema();
+  const size_t nret = schema.returns().size();
+  switch (w.way) {
+    case Way::kNone:
+      throw NotShaped{};
+    case Way::kKernel:
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+      return;
+    case Way::kInPlace: {
+      auto args = take_args(op, stack);
+      for (size_t r = 0; r < nret; ++r) stack->push_back(args[written_arg(schema, r)]);
+      return;
+    }
+    case Way::kStructured:
+    case Way::kMeta: {
+      auto args = take_args(op, stack);
+      for (const c10::IValue& a : args) stack->push_back(map_tensors(a, as_meta));
+      if (w.way == Way::kStructured) {
+        w.meta->callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+      } else {
+        op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+      }
+      for (size_t r = 0; r < nret; ++r) {
+        c10::IValue& out = (*stack)[stack->size() - nret + r];
+        const int wa = written_arg(schema, r);
+        if (wa < 0) {
+          out = map_tensors(out, as_shape);
+          continue;
+        }
+        // (in place: the argument, with the metadata the op left it: a resize_, an unsqueeze_)
+        if (!args[wa].isTensor() || !out.isTensor() || !is_shape(args[wa].toTensor())) throw NotShaped{};
+        const at::Tensor& m = out.toTensor();
+        args[wa].toTensor().unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes(), m.strides(), m.storage_offset());
+        out = args[wa];
+      }
+      return;
+    }
+  }
+}
+
+// While the oracle runs: ops on shape placeholders come to shape_call (the capture's key on,
+// below autograd, no Python mode or other layer above the backends).
+class ShapeScope {
+ public:
+  ShapeScope() : was_(t_shaping) { t_shaping = true; }
+  ~ShapeScope() { t_shaping = was_; }
+
+ private:
+  bool was_;
+  c10::impl::IncludeDispatchKeyGuard ours_{kKey};
+  c10::impl::ExcludeDispatchKeyGuard above_{c10::autograd_dispatch_keyset_with_ADInplaceOrView |
+                                            c10::DispatchKeySet({c10::DispatchKey::Python,
+                                                                 c10::DispatchKey::PythonTLSSnapshot,
+                                                                 c10::DispatchKey::PreDispatch,
+                                                                 c10::DispatchKey::Functionalize,
+                                                                 c10::DispatchKey::AutocastCPU,
+                                                                 c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+                                                                 c10::DispatchKey::FuncTorchDynamicLayerBackMode,
+                                                                 c10::DispatchKey::FuncTorchBatched,
+                                                                 c10::DispatchKey::FuncTorchVmapMode})};
+};
+
+constexpr int64_t kTriesUnanswered = 4;  // top-level calls of an op never answered, before it is not tried
+
+// What `op` makes from `args`, computed without running it, on `out` (its returns), or false.
+bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out) {
+  if (g_shapes_broken.load(std::memory_order_relaxed)) return false;
+  OpWay& w = way_of(op);
+  if (w.way == Way::kNone || (w.answered == 0 && w.tried >= kTriesUnanswered)) return false;
+  ++w.tried;
+  try {
+    ShapeScope scope;
+    for (const c10::IValue& a : args) out.push_back(map_tensors(a, as_shape));
+    shape_call(op, &out);
+  } catch (const NotShaped&) {
+    out.clear();
+    return false;
+  } catch (const std::exception&) {  // (c10::Error: a kernel read data, or a check failed: it runs as eager)
+    out.clear();
+    return false;
+  }
+  ++w.answered;
+  return true;
+}
+
+}  // namespace
+}  // namespace coexec
