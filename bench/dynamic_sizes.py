@@ -21,8 +21,9 @@ Columns, the figures issue 17 asks for:
   ``ratio after warm-up``: over the steps after the first co-executed one;
 * ``bit-equal``: losses and final parameters and optimizer state.
 
-``--backend native`` runs the coexec copy under ``GradientTape(backend="native")`` (no traces:
-a new size is a miss that runs at once, and the sizes seen come back from its cache).
+``--backend native`` (or ``auto``, native on a CPU) runs the coexec copy on the native backend
+(no traces: an op at a new size has its output metadata computed by the capture and goes to the
+worker; the sizes seen come back from its cache).
 
 Prints a Markdown table and writes ``dynamic_sizes.md`` to ``--out``.
 """

@@ -166,9 +166,10 @@ class NativeBudget:
     def _warn_unplanned(self) -> None:
         if self.plan is None:
             why = (
-                "has no plan yet: the last {n} steps to be planned each met ops that ran at once "
-                "(ops the capture could not answer at sizes not seen at their lines before), which "
-                "cannot be planned; steps run unplanned, at eager's peak, until one repeats sizes met before"
+                "has no plan yet: the last {n} steps to be planned each ran ops at once that were "
+                "new at their lines (a shape that follows data, such as a masked selection, at sizes "
+                "not seen there before), and such a step cannot be planned; steps run unplanned, at "
+                "eager's peak, until one repeats sizes met before"
             )
         else:
             why = (

@@ -771,13 +771,14 @@ class _NativeStep:
         s.stall_seconds += c.wait_seconds - c0.wait_seconds
         s.executor_seconds += c.worker_seconds - c0.worker_seconds
         s.gradient_blocks = c.gradient_blocks - c0.gradient_blocks
-        misses = c.misses - c0.misses
-        if self.debug and misses:
+        misses, shaped = c.misses - c0.misses, c.shaped - c0.shaped
+        if self.debug and (misses or shaped):
             _log(
                 self.program,
-                f"step {s.steps - 1}: {misses} of its {s.last_ops} ops were new at their line (first "
-                "sight, or sizes or arguments not seen there among the last 16), so they ran at once, "
-                "as eager",
+                f"step {s.steps - 1}: {misses + shaped} of its {s.last_ops} ops were new at their line "
+                "(first sight, or sizes or arguments not seen there among the last 16): "
+                f"{shaped} had their outputs' shapes computed and went to the worker, {misses} ran at "
+                "once, as eager (their result is read, or their shape follows their data)",
             )
         engine = (c.backward_calls - c0.backward_calls) - s.gradient_blocks
         if self.debug and engine:

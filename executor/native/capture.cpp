@@ -131,6 +131,7 @@ constexpr int kBlocksPerSite = 16;  // made at a backward() line and not used, b
 constexpr int kMaxWait = 1024;       // backward() calls there between tries, at the slowest
 constexpr int64_t kMaxBlocks = 4096;  // kept in all
 constexpr int64_t kConstElements = 4096;  // the largest tensor made outside the dispatcher kept
+const bool g_debug = std::getenv("COEXEC_CAPTURE_DEBUG") != nullptr;  // each op to stderr (read once)
 
 // What backward_begin() tells the caller to do.
 enum Backward : int { kReplayed = 0, kEngine = 1, kRecord = 2 };
@@ -679,7 +680,7 @@ class Capture {
   // (capture_shapes.h) as a new variant; null where it cannot (the op runs at once).
   const Entry* shape(const c10::OperatorHandle& op, const Key& key, Args args) {
     torch::jit::Stack out;
-    if (!shape_outputs(op, args, out)) return nullptr;
+    if (!shape_outputs(op, args, out, included_before_)) return nullptr;
     std::vector<TensorMeta> inputs;
     input_metas(args, inputs);
     ++shaped_;
@@ -795,12 +796,22 @@ int Capture::backward_begin(const at::Tensor& loss, const std::vector<at::Tensor
     if (b.graph != w.digest || b.path != path_ || b.inputs != leaf_of) continue;
     // (met again: worth its making, or its refusal; the blocks made at its line before it that
     // were not used are forgiven: a sweep's next model at one train() line makes its own)
-    if (b.replays++ == 0) making_at_[b.site] = Making{};
-    if (!b.why_not.empty()) return engine(b.why_not);
-    if (!allow_unused && b.results.size() < b.inputs.size())
+    auto met = [&] {
+      if (b.replays++ == 0) making_at_[b.site] = Making{};
+    };
+    if (!b.why_not.empty()) {
+      met();
+      return engine(b.why_not);
+    }
+    if (!allow_unused && b.results.size() < b.inputs.size()) {
+      met();
       return engine("an input is not reached and allow_unused is False (the engine raises)");
-    std::string why = issue_block(b, w, site);
-    if (!why.empty()) return engine(why);
+    }
+    // (made in another state of the step: the leaves' .grad, the placeholders made before it.
+    // Another block of this path may fit, or one is made below for this state: the first step's
+    // grads are None, the next steps' are not)
+    if (!issue_block(b, w, site).empty()) continue;
+    met();
     backward_why_.clear();
     return kReplayed;
   }
@@ -1141,6 +1152,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (cached == nullptr) {
       ++misses_;
       missed_ = true;
+      if (g_debug) std::cerr << "coexec capture: (a miss: runs at once) " << schema.name() << "." << schema.overload_name() << std::endl;
     }
     if (recording_ && refuse("an op of the backward ran at once (new at its line, or its result read)"))
       rec_.again = cached == nullptr;  // (new at its line: the next step at this path tries again)
@@ -1214,7 +1226,6 @@ void outside(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   run_on_values(op, args, stack, c10::impl::tls_local_dispatch_key_set().included_);
 }
 
-const bool g_debug = std::getenv("COEXEC_CAPTURE_DEBUG") != nullptr;  // each op to stderr (read once)
 
 void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   Capture* c = g_active.load(std::memory_order_relaxed);

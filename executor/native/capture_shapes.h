@@ -14,19 +14,24 @@
 // * any other op: the kernel the CPU would run (its own, or a composite one), on shape
 //   placeholders, recursively.
 //
-// A kernel that reads data (a CPU kernel's loop, ``.item()``) fails there (c10's error, or
-// NotShaped), and the op runs at once as before. So an answer is either the CPU's
-// own metadata or none. The worker checks every answer against what the op made all the same
-// (capture_worker.h, check_shaped): a mismatch fails the step and stops the oracle for good.
+// A kernel that reads data (a CPU kernel's loop) fails there (c10's error, or NotShaped). Then
+// the op's CPU kernel runs eagerly on this thread on stand-ins of its arguments (ones, or zeros
+// for integers: stand_in_outputs): its compute, but no wait for the worker to compute the real
+// arguments. Ops whose result Python reads or whose shape follows data, and random ops that take
+// no generator, are not answered: they run at once as before. So an answer is the CPU's own
+// metadata or none. The worker checks every answer against what the op made all the same
+// (capture_worker.h, check_shaped): a mismatch fails the step and stops answering for good.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/MetaFunctions.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -250,25 +255,73 @@ class ShapeScope {
 
 constexpr int64_t kTriesUnanswered = 4;  // top-level calls of an op never answered, before it is not tried
 
-// What `op` makes from `args`, computed without running it, on `out` (its returns), or false.
-bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out) {
-  if (g_shapes_broken.load(std::memory_order_relaxed)) return false;
-  OpWay& w = way_of(op);
-  if (w.way == Way::kNone || (w.answered == 0 && w.tried >= kTriesUnanswered)) return false;
-  ++w.tried;
+// A CPU tensor with t's metadata that any kernel takes: ones where it is floating (a
+// probability, a divisor), zeros elsewhere (an index). Made without the capture's dispatch.
+at::Tensor stand_in(const at::Tensor& t) {
+  if (!t.defined()) return t;
+  const int64_t n = storage_elements(t.sizes(), t.strides(), t.storage_offset());
+  at::Tensor z = at::detail::empty_cpu({n}, t.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  if (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) {
+    z.fill_(1);  // (a CPU tensor: the caller dispatches below the capture's key)
+  } else {
+    std::memset(z.mutable_data_ptr(), 0, static_cast<size_t>(n) * t.dtype().itemsize());
+  }
+  auto* impl = z.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) impl->set_wrapped_number(true);
+  return z;
+}
+
+// What `op` makes, found by running its CPU kernel eagerly on stand-ins of its arguments
+// (stand_in) on this thread (`included`: the thread's dispatch keys without the capture's): the
+// kernel's own metadata, without waiting for the worker to compute the real arguments. A random
+// op draws from a generator of its own here (never from the one the worker draws from), and one
+// that takes none is not answered; a kernel that rejects the stand-ins (a singular matrix) fails
+// here and the op runs at once.
+bool stand_in_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included) {
+  const auto& schema = op.schema();
+  int generator = -1;  // (a random op draws from a generator of its own here, if it takes one)
+  if (op.hasTag(at::Tag::nondeterministic_seeded)) {
+    for (size_t i = 0; i < schema.arguments().size(); ++i) {
+      auto type = schema.arguments()[i].type();
+      if (type->kind() == c10::TypeKind::OptionalType) type = type->castRaw<c10::OptionalType>()->getElementType();
+      if (type->kind() == c10::TypeKind::GeneratorType) generator = static_cast<int>(i);
+    }
+    if (generator < 0) return false;
+  }
   try {
-    ShapeScope scope;
-    for (const c10::IValue& a : args) out.push_back(map_tensors(a, as_shape));
-    shape_call(op, &out);
-  } catch (const NotShaped&) {
-    out.clear();
-    return false;
-  } catch (const std::exception&) {  // (c10::Error: a kernel read data, or a check failed: it runs as eager)
+    at::AutoDispatchBelowADInplaceOrView below;
+    c10::impl::ForceDispatchKeyGuard off(included, c10::impl::tls_local_dispatch_key_set().excluded_);
+    for (const c10::IValue& a : args) out.push_back(map_tensors(a, stand_in));
+    if (generator >= 0) out[generator] = at::detail::createCPUGenerator();
+    op.callBoxed(out);
+  } catch (const std::exception&) {
     out.clear();
     return false;
   }
-  ++w.answered;
   return true;
+}
+
+// What `op` makes from `args`, computed without the worker, on `out` (its returns), or false:
+// by the oracle where it answers, else by running the kernel on stand-ins.
+bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included) {
+  if (g_shapes_broken.load(std::memory_order_relaxed) || must_run_now(op)) return false;
+  OpWay& w = way_of(op);
+  if (w.way != Way::kNone && (w.answered > 0 || w.tried < kTriesUnanswered)) {
+    ++w.tried;
+    try {
+      ShapeScope scope;
+      for (const c10::IValue& a : args) out.push_back(map_tensors(a, as_shape));
+      shape_call(op, &out);
+      ++w.answered;
+      return true;
+    } catch (const NotShaped&) {
+      out.clear();
+    } catch (const std::exception&) {  // (c10::Error: a kernel read data, or a check failed)
+      out.clear();
+    }
+  }
+  return stand_in_outputs(op, args, out, included);
 }
 
 }  // namespace

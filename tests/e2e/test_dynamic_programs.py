@@ -1,16 +1,20 @@
 """The programs whose sizes change between steps (examples/dynamic_programs.py, issue 17)
 under coexec: bit-equal to eager from the same seed. Where a size repeats (an epoch's shorter
 last chunk, a loader's smaller last batch) it is one more path and the program co-executes;
-where it does not (a length drawn per step, an episode's length, a number of boxes) today each
-new size is a new trace, and after ``max_traces`` the program runs eagerly, still bit-equal
-(``python bench/dynamic_sizes.py`` measures both)."""
+where it does not (a length drawn per step, an episode's length, a number of boxes) each new
+size is a new trace of the interpret backend, and after ``max_traces`` the program runs eagerly,
+still bit-equal; the native backend computes the ops at new sizes on its worker (``python
+bench/dynamic_sizes.py`` measures both)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+import coexec
 from examples.dynamic_programs import DYNAMIC_PROGRAMS, Reinforce
-from tests.coexec.helpers import assert_same_as_eager
+from executor import native
+from tests.coexec.helpers import as_float, assert_same_as_eager, run, tensors_of
 
 STEPS = 20
 REPEATING = {"word_lm_last_chunk", "classifier_last_batch"}
@@ -40,3 +44,25 @@ def test_program_with_changing_sizes_is_bit_equal_to_eager(program):
     if program.name in REPEATING:
         assert s.traces <= 4 and s.phase == "coexec", s
         assert s.coexec_steps >= STEPS - 6, s
+
+
+@pytest.mark.skipif(not native.enabled(), reason="the native backend needs the native module")
+@pytest.mark.parametrize("program", DYNAMIC_PROGRAMS, ids=[p.name for p in DYNAMIC_PROGRAMS])
+def test_on_the_native_backend_ops_at_new_sizes_run_on_the_worker(program):
+    """Every step captured, bit-equal, and after the first step at least 90% of the ops of the
+    steps computed by the worker, sizes new at their lines or not (the rest ran at once on the
+    step's thread: ``.item()``s, ``nonzero``); issue 17 asks for 90% of the steps."""
+    assert native.wait() is not None
+    make, step = (lambda: program(0)), (lambda p, i: p.step(i))
+    el, ep, _ = run(make, step, STEPS, False)
+    state, tape = make(), coexec.GradientTape(backend="native", key=("test", "native sizes", program.name))
+    losses, ops, worker_ops = [], 0, 0
+    for i in range(STEPS):
+        with tape:
+            losses.append(as_float(step(state, i)))
+        if i > 0:
+            ops, worker_ops = ops + tape.stats.last_ops, worker_ops + tape.stats.native_ops
+    assert losses == el
+    assert all(torch.equal(a, b) for a, b in zip(tensors_of(state), ep))
+    assert tape.stats.coexec_steps == STEPS
+    assert worker_ops >= 0.9 * ops, f"{worker_ops} of {ops} ops on the worker"

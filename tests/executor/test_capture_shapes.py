@@ -80,6 +80,22 @@ def test_ops_whose_sizes_follow_data_still_run_at_once() -> None:
         assert torch.equal(y, (x[(x > 1).nonzero()[:, 0]] * 2).sum(0))
 
 
+def test_random_ops_at_new_sizes_draw_in_eagers_order() -> None:
+    """``multinomial``'s kernel draws before it reads its input: answered by running it on
+    stand-ins with a generator of its own, it leaves the default generator to the worker, whose
+    draws are eager's."""
+    capture = Capture()
+    for n in (3, 5, 4, 8):
+        probs = torch.arange(1.0, 2.0 * n + 1).reshape(2, n)
+        torch.manual_seed(n)
+        want = [torch.multinomial(probs, n, replacement=True), torch.rand(n), torch.multinomial(probs, 2)]
+        torch.manual_seed(n)
+        with capture.step():
+            got = [torch.multinomial(probs, n, replacement=True), torch.rand(n), torch.multinomial(probs, 2)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert capture.counters.misses == 0 and capture.counters.shaped >= 12
+
+
 # Ops of a 2-D tensor (a, b) with a, b drawn per step: views with offsets and strides,
 # broadcasting, reductions, data-reading kernels (layer_norm runs at once), in-place ops.
 OPS = {
@@ -106,6 +122,8 @@ OPS = {
     "in_place_mul": lambda x: x.clone().mul_(2),
     "tanh_permute": lambda x: x.tanh().unsqueeze(-1).permute(1, 2, 0).squeeze(1),
     "index_select": lambda x: x.index_select(0, torch.arange(x.shape[0] - 1, -1, -1)),
+    "dropout": lambda x: F.dropout(x, 0.5, training=True),
+    "times_rand": lambda x: x * torch.rand_like(x),
 }
 
 
@@ -128,7 +146,9 @@ def test_any_chain_of_ops_at_new_sizes_has_eagers_metadata_and_values(chain: lis
     fails the step), and Python sees eager's sizes, strides and values at every size."""
     capture = Capture()
     for a, b in sizes:
+        torch.manual_seed(a)
         want_y, want_grad = _run(chain, a, b)
+        torch.manual_seed(a)
         with capture.step():
             got_y, got_grad = _run(chain, a, b)
             shape = (got_y.shape, got_y.stride(), got_y.storage_offset(), got_y.dtype)
