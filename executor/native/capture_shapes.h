@@ -16,8 +16,8 @@
 //
 // A kernel that reads data (a CPU kernel's loop) fails there (c10's error, or NotShaped). Then
 // the op's CPU kernel runs eagerly on this thread on stand-ins of its arguments (ones, or zeros
-// for integers: stand_in_outputs): its compute, but no wait for the worker to compute the real
-// arguments. Ops whose result Python reads or whose shape follows data, and random ops that take
+// for integers: stand_in_outputs; arguments of up to 1 MiB): its compute, but no wait for the
+// worker to compute the real arguments. Ops whose result Python reads or whose shape follows data, and random ops that take
 // no generator, are not answered: they run at once as before. So an answer is the CPU's own
 // metadata or none. The worker checks every answer against what the op made all the same
 // (capture_worker.h, check_shaped): a mismatch fails the step and stops answering for good.
@@ -274,11 +274,21 @@ at::Tensor stand_in(const at::Tensor& t) {
 
 // What `op` makes, found by running its CPU kernel eagerly on stand-ins of its arguments
 // (stand_in) on this thread (`included`: the thread's dispatch keys without the capture's): the
-// kernel's own metadata, without waiting for the worker to compute the real arguments. A random
+// kernel's own metadata, without waiting for the worker to compute the real arguments, for
+// arguments of at most 1 MiB (beyond, the compute done twice costs more than the wait). A random
 // op draws from a generator of its own here (never from the one the worker draws from), and one
 // that takes none is not answered; a kernel that rejects the stand-ins (a singular matrix) fails
 // here and the op runs at once.
+constexpr int64_t kStandInBytes = 1 << 20;  // the most bytes of arguments made as stand-ins for one op
+
 bool stand_in_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included) {
+  // (bigger arguments: the op's compute twice, here and on the worker, against once at once)
+  int64_t bytes = 0;
+  for (const c10::IValue& a : args)
+    each_tensor(a, [&bytes](const at::Tensor& t) {
+      if (t.defined()) bytes += storage_elements(t.sizes(), t.strides(), t.storage_offset()) * t.dtype().itemsize();
+    });
+  if (bytes > kStandInBytes) return false;
   const auto& schema = op.schema();
   int generator = -1;  // (a random op draws from a generator of its own here, if it takes one)
   if (op.hasTag(at::Tag::nondeterministic_seeded)) {

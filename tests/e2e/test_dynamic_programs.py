@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import coexec
-from examples.dynamic_programs import DYNAMIC_PROGRAMS, Reinforce
+from examples.dynamic_programs import DYNAMIC_PROGRAMS, MORE_DYNAMIC_PROGRAMS, Reinforce
 from executor import native
 from tests.coexec.helpers import as_float, assert_same_as_eager, run, tensors_of
 
@@ -47,7 +47,9 @@ def test_program_with_changing_sizes_is_bit_equal_to_eager(program):
 
 
 @pytest.mark.skipif(not native.enabled(), reason="the native backend needs the native module")
-@pytest.mark.parametrize("program", DYNAMIC_PROGRAMS, ids=[p.name for p in DYNAMIC_PROGRAMS])
+@pytest.mark.parametrize(
+    "program", DYNAMIC_PROGRAMS + MORE_DYNAMIC_PROGRAMS, ids=[p.name for p in DYNAMIC_PROGRAMS + MORE_DYNAMIC_PROGRAMS]
+)
 def test_on_the_native_backend_ops_at_new_sizes_run_on_the_worker(program):
     """Every step captured, bit-equal, and after the first step at least 90% of the ops of the
     steps computed by the worker, sizes new at their lines or not (the rest ran at once on the
