@@ -6,7 +6,11 @@ The first steps run unplanned (the capture meets their ops); the third is descri
 takes the planner's Python, which would share the GIL with the steps here); the steps after the
 plan arrives follow it (``Capture.follow``). A step that leaves the plan's path (another op
 where the plan expects one) is counted; after two such steps in a row, one is described again
-and planned anew, at most every 16 steps. A budget no plan can meet raises
+and planned anew, at most every 16 steps. Where sizes change (a length drawn per step) a plan
+made at one size is followed at the others (its path is its ops): a step that follows it and
+holds more than 5% above its planned peak has outgrown it, and the next step is described; a
+plan made for a smaller step than the one in use (by their unplanned peaks) is left unused, so
+the plan in use is that of the largest step described. A budget no plan can meet raises
 :class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs. A step that
 meets ops new at their line (first sight, sizes not met there) is not described (those ops ran
 at once): where sizes change at every step none is, and after 8 such steps without a plan a
@@ -34,6 +38,7 @@ from .plan_process import _child_path, _read, _write
 WARM_UP = 2  # unplanned steps before one is described (the capture meets the ops, then the backward)
 UNFOLLOWED = 2  # steps off the plan's path in a row before the path is planned again
 REPLAN_EVERY = 16  # steps at least between two descriptions
+OUTGROWN = 1.05  # a followed step that held this much more than its plan: sizes grew, describe again
 UNPLANNABLE = 8  # steps in a row not described (ops ran at once) or off the plan, before a warning
 
 
@@ -107,6 +112,7 @@ class NativeBudget:
         self.steps = 0
         self.described_at = -REPLAN_EVERY
         self.unfollowed = 0
+        self.outgrown = False  # a step that followed the plan held more than it planned (sizes grew)
         self.describing = False
         self.plans = 0  # plans taken into use
         self.live0 = 0
@@ -121,8 +127,10 @@ class NativeBudget:
             lines.append(self._take())
         if self.error is not None:
             raise self.error
-        due = self.plan is None or (
-            self.unfollowed >= UNFOLLOWED and self.steps - self.described_at >= REPLAN_EVERY
+        due = (
+            self.plan is None
+            or self.outgrown
+            or (self.unfollowed >= UNFOLLOWED and self.steps - self.described_at >= REPLAN_EVERY)
         )
         self.describing = self.future is None and self.steps >= WARM_UP and due
         if self.describing:
@@ -147,6 +155,7 @@ class NativeBudget:
             self.future = _submit(capture.description(), self.budget)
             self.described_at = self.steps
             self.unfollowed = 0
+            self.outgrown = False
         elif self.plan is not None:
             # (a step off the plan's path: other ops, or other sizes, than the step planned)
             self.unfollowed = 0 if capture.followed else self.unfollowed + 1
@@ -162,6 +171,9 @@ class NativeBudget:
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
         if self.plan is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
+        grew = stats.peak_bytes > self.plan.planned_peak * OUTGROWN if self.plan is not None else False
+        if grew and capture.followed and not self.describing:
+            self.outgrown = True  # (the next step is described: a plan for larger sizes may be due)
 
     def _warn_unplanned(self) -> None:
         if self.plan is None:
@@ -187,7 +199,11 @@ class NativeBudget:
     def _take(self) -> str:
         f, self.future = self.future, None
         try:
-            self.plan = f.result()
+            plan = f.result()
+            if self.plan is not None and plan.eager_peak < self.plan.eager_peak and self.plan.drops.ops == plan.drops.ops:
+                # (a smaller step than the one planned: the plan for the larger sizes covers it)
+                return f"memory plan for a smaller step than plan {self.plans}'s left unused"
+            self.plan = plan
         except BudgetTooSmall as e:
             self.error = BudgetTooSmall(
                 e.budget, e.smallest, "this step has not run (the steps before it ran unplanned while it was planned)"

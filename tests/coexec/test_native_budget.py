@@ -5,6 +5,7 @@ dropped and made again on the worker), bit-equal to eager and within the budget.
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 import torch
@@ -190,3 +191,84 @@ def test_a_plan_made_at_one_size_is_followed_at_others() -> None:
         state["data"] = [(x[: 256 - 32 * (k % 2)], y[: 256 - 32 * (k % 2)]) for k, (x, y) in enumerate(state["data"])]
     recomputed = _train_until_planned(tape, eager, captured, 6)
     assert all(r > 0 for r in recomputed)
+
+
+class _FakeCapture:
+    """What NativeBudget asks of a capture: counters, whether the step followed the plan, and
+    the described step (a stand-in: the plans are made by the fake _submit below)."""
+
+    def __init__(self) -> None:
+        self.counters = types.SimpleNamespace(remade=0, remade_seconds=0.0, misses=0)
+        self.followed = False
+        self.described = 0
+
+    def describe_next(self) -> None:
+        self.described += 1
+
+    def follow(self, drops) -> None:
+        self.followed = drops is not None
+
+    def description(self) -> int:
+        return self.described
+
+
+class _FakeCpu:
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def reset_cpu_peak(self) -> None:
+        pass
+
+    def cpu_bytes(self) -> tuple[int, int]:
+        return 0, self.peak
+
+
+def _plan(eager_peak: int, planned_peak: int):
+    from coexec.native_budget import NativeBudgetPlan
+    from executor.step_plans import DropPlan
+
+    drops = DropPlan((1, 2, 3), frozenset(), {})
+    return NativeBudgetPlan(drops, 100, eager_peak, planned_peak, 0, 1, 0.0, 0.0, "test", 0.0)
+
+
+def test_the_plan_in_use_is_the_largest_steps_described(monkeypatch) -> None:
+    """Sizes that change: a step that follows the plan and holds more than it planned (its sizes
+    grew) has the next step described; a plan made for a smaller step than the one in use (by
+    their unplanned peaks) is left unused."""
+    from concurrent.futures import Future
+
+    from coexec import native_plans
+
+    plans = iter([_plan(150, 90), _plan(200, 95), _plan(120, 80)])
+
+    def submit(description, budget):
+        f: Future = Future()
+        f.set_result(next(plans))
+        return f
+
+    monkeypatch.setattr(native_plans, "_submit", submit)
+    b = native_plans.NativeBudget(100, "here")
+    capture, cpu = _FakeCapture(), _FakeCpu()
+
+    def step(held: int):
+        b.before(capture, cpu)
+        cpu.peak = held
+        stats = types.SimpleNamespace(peak_bytes=0, planned_peak_bytes=None, recomputed_ops=0,
+                                      recompute_seconds=0.0, over_budget_steps=0)  # fmt: skip
+        b.after(capture, cpu, stats)
+        return stats
+
+    for _ in range(native_plans.WARM_UP + 1):  # (the third step is described)
+        step(140)
+    assert capture.described == 1
+    assert step(90).planned_peak_bytes == 90 and capture.followed  # plan 1 taken
+    step(90)  # (within what it planned: nothing described)
+    assert capture.described == 1
+    step(120)  # (followed, and held more than planned: the sizes grew)
+    step(100)  # described
+    assert capture.described == 2
+    assert step(95).planned_peak_bytes == 95  # plan 2, of a larger step, taken
+    step(150)  # outgrown again: the next described
+    step(50)
+    assert capture.described == 3
+    assert step(50).planned_peak_bytes == 95  # plan 3, of a smaller step, left unused
