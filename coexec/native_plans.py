@@ -115,6 +115,8 @@ class NativeBudget:
         self.outgrown = False  # a step that followed the plan held more than it planned (sizes grew)
         self.describing = False
         self.plans = 0  # plans taken into use
+        self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
+        self.planning_seconds = 0.0  # the planner's time on them
         self.live0 = 0
         self.remade0 = self.misses0 = 0
         self.remade_seconds0 = 0.0
@@ -200,6 +202,8 @@ class NativeBudget:
         f, self.future = self.future, None
         try:
             plan = f.result()
+            self.plans_made += 1
+            self.planning_seconds += plan.planning_seconds
             if self.plan is not None and plan.eager_peak < self.plan.eager_peak and self.plan.drops.ops == plan.drops.ops:
                 # (a smaller step than the one planned: the plan for the larger sizes covers it)
                 return f"memory plan for a smaller step than plan {self.plans}'s left unused"

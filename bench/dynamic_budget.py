@@ -1,0 +1,142 @@
+"""A memory budget on the native backend where sizes change between steps (issue 17).
+
+    python bench/dynamic_budget.py [--steps 60] [--fraction 0.9] [--threads 1]
+
+The random-length transformer of ``examples/dynamic_programs.py`` (a length drawn per step in
+[16, 128]), twice: as it is, and with every length the largest (``fixed 128``, the baseline
+issue 17 compares planning time against). Per run, one copy trains under
+``GradientTape(backend="native")`` with a budget too large to bind, to measure each step's peak
+(``tape.stats.peak_bytes``: the bytes held at the step's peak, persistent state included), then a
+copy from the same seed trains under ``memory_budget`` = ``--fraction`` of the largest peak
+measured, stepping in turn with an eager copy (each under its own RNG state), for ``--steps``
+steps. Columns:
+
+* ``budget``, ``peaks unbudgeted``: the budget and the range of the unbudgeted steps' peaks;
+* ``first planned step``: the first step that ran with a plan (the ones before run unplanned,
+  at eager's peak, while the plan is made in a child process);
+* ``over budget before / after``: steps whose peak exceeded the budget before the first plan
+  arrived, and after (``tape.stats.over_budget_steps``: issue 17 asks for none at any length);
+* ``largest planned peak``: the largest peak of a step that ran with a plan;
+* ``plans made``, ``planning s``: descriptions planned (taken or left unused) and the planner's
+  time on them, summed (issue 17: at most 2x the fixed-length run's);
+* ``vs eager``: the budgeted steps' time over the eager copy's, after the first plan;
+* ``bit-equal``: losses and final parameters and optimizer state against the eager copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import coexec  # noqa: E402
+from common import markdown_table, prepare  # noqa: E402
+from dynamic_sizes import _OwnRNG  # noqa: E402
+from examples.dynamic_programs import TransformerRandomLength  # noqa: E402
+from executor import native  # noqa: E402
+from tests.coexec.helpers import as_float, tensors_of  # noqa: E402
+
+MB = 1e6
+
+
+class _Longest:
+    """The program's random source, with every sequence length the largest."""
+
+    def __init__(self, rng) -> None:
+        self.rng = rng
+
+    def randint(self, a: int, b: int) -> int:
+        return 128 if (a, b) == (16, 128) else self.rng.randint(a, b)
+
+
+def _program(fixed: bool) -> TransformerRandomLength:
+    p = TransformerRandomLength(0)
+    if fixed:
+        p.rng = _Longest(p.rng)
+    return p
+
+
+def _budget_of(tape: coexec.GradientTape):
+    return tape._program.native_budget  # (coexec/native_plans.py's NativeBudget)
+
+
+def _peaks(fixed: bool, steps: int) -> list[int]:
+    """Each step's peak under a budget that does not bind (the budget's counting on)."""
+    p, rng = _program(fixed), _OwnRNG()
+    tape = coexec.GradientTape(backend="native", memory_budget="100GB", key=("dynamic budget", "probe", fixed))
+    peaks = []
+    for i in range(steps):
+        with rng, tape:
+            p.step(i)
+        peaks.append(tape.stats.peak_bytes)
+    return peaks
+
+
+def measure(fixed: bool, steps: int, fraction: float) -> dict:
+    peaks = _peaks(fixed, steps)
+    budget = int(fraction * max(peaks))
+    eager, eager_rng = _program(fixed), _OwnRNG()
+    co, co_rng = _program(fixed), _OwnRNG()
+    tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("dynamic budget", fixed, fraction))
+    eager_losses, co_losses, first, over_before, largest = [], [], None, 0, 0
+    eager_t, co_t = [], []
+    for i in range(steps):
+        with eager_rng:
+            t0 = time.perf_counter()
+            eager_losses.append(as_float(eager.step(i)))
+            eager_t.append(time.perf_counter() - t0)
+        with co_rng:
+            t0 = time.perf_counter()
+            with tape:
+                loss = co.step(i)
+            co_t.append(time.perf_counter() - t0)
+        co_losses.append(as_float(loss))
+        s = tape.stats
+        if s.planned_peak_bytes is None:
+            over_before += s.peak_bytes > budget
+            time.sleep(0.02)  # (the planning process starting, as in a loop with data loading)
+        else:
+            first = i if first is None else first
+            largest = max(largest, s.peak_bytes)
+    b = _budget_of(tape)
+    same = co_losses == eager_losses and all(
+        torch.equal(x, y) for x, y in zip(tensors_of(vars(co)), tensors_of(vars(eager)))
+    )
+    after = slice(first, None) if first is not None else slice(steps, None)
+    return {
+        "lengths": "fixed 128" if fixed else "drawn in [16, 128]",
+        "steps": steps,
+        "budget MB": budget / MB,
+        "peaks unbudgeted MB": f"{min(peaks) / MB:.2f}-{max(peaks) / MB:.2f}",
+        "first planned step": first,
+        "over budget before": over_before,
+        "over budget after": tape.stats.over_budget_steps,
+        "largest planned peak MB": largest / MB,
+        "plans made": b.plans_made,
+        "planning s": b.planning_seconds,
+        "vs eager": sum(co_t[after]) / sum(eager_t[after]) if first is not None else float("nan"),
+        "bit-equal": same,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--fraction", type=float, default=0.9)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
+    args = ap.parse_args()
+    prepare(args.threads)
+    if native.wait() is None:
+        raise SystemExit("the native module is not available")
+    rows = [measure(fixed, args.steps, args.fraction) for fixed in (False, True)]
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
