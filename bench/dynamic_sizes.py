@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,26 +65,48 @@ class _OwnRNG:
         torch.set_rng_state(self.outer)
 
 
-def measure(program: type, steps: int, backend: str = "interpret") -> dict:
-    # (each copy built from the seed's RNG state, then the two take turns, step by step, each
-    # under its own RNG state: a step's time is paired with the same step eagerly)
-    eager, eager_rng = program(0), _OwnRNG()
-    co, co_rng = program(0), _OwnRNG()
-    tape = coexec.GradientTape(key=("dynamic-sizes", program.name, backend), backend=backend)
-    eager_losses, co_losses, first_coexec = [], [], None
-    eager_t, co_t, worker_ops, ops = [], [], 0, 0
-    for i in range(steps):
-        with eager_rng:
+class Pair:
+    """An eager copy and a coexec copy of a program from one seed that take turns step by step,
+    each under its own RNG state; their losses and each step's time."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.eager, self.eager_rng = make(), _OwnRNG()
+        self.co, self.co_rng = make(), _OwnRNG()
+        self.eager_losses: list[float] = []
+        self.co_losses: list[float] = []
+        self.eager_t: list[float] = []
+        self.co_t: list[float] = []
+
+    def step(self, i: int, tape: coexec.GradientTape) -> None:
+        with self.eager_rng:
             t0 = time.perf_counter()
-            eager_losses.append(as_float(eager.step(i)))
-            eager_t.append(time.perf_counter() - t0)
-        before = tape.stats.coexec_steps
-        with co_rng:
+            self.eager_losses.append(as_float(self.eager.step(i)))
+            self.eager_t.append(time.perf_counter() - t0)
+        with self.co_rng:
             t0 = time.perf_counter()
             with tape:
-                loss = co.step(i)
-            co_t.append(time.perf_counter() - t0)
-        co_losses.append(as_float(loss))
+                loss = self.co.step(i)
+            self.co_t.append(time.perf_counter() - t0)
+        self.co_losses.append(as_float(loss))
+
+    def same(self) -> bool:
+        """Bit-equal losses, parameters and optimizer state."""
+        return self.co_losses == self.eager_losses and all(
+            torch.equal(a, b) for a, b in zip(tensors_of(vars(self.co)), tensors_of(vars(self.eager)))
+        )
+
+    def ratio(self, start: int) -> float:
+        """The coexec steps' time over the eager ones', from step ``start``."""
+        return sum(self.co_t[start:]) / sum(self.eager_t[start:]) if start < len(self.co_t) else float("nan")
+
+
+def measure(program: type, steps: int, backend: str = "interpret") -> dict:
+    pair = Pair(lambda: program(0))
+    tape = coexec.GradientTape(key=("dynamic-sizes", program.name, backend), backend=backend)
+    first_coexec, worker_ops, ops = None, 0, 0
+    for i in range(steps):
+        before = tape.stats.coexec_steps
+        pair.step(i, tape)
         if first_coexec is None and tape.stats.coexec_steps > before:
             first_coexec = i
         elif first_coexec is not None and tape.backend == "native":
@@ -91,9 +115,6 @@ def measure(program: type, steps: int, backend: str = "interpret") -> dict:
     s = tape.stats
     warm = first_coexec + 1 if first_coexec is not None else steps
     after = steps - first_coexec if first_coexec is not None else 0
-    same = co_losses == eager_losses and all(
-        torch.equal(a, b) for a, b in zip(tensors_of(vars(co)), tensors_of(vars(eager)))
-    )
     row = {
         "program": program.name,
         "steps": steps,
@@ -107,11 +128,11 @@ def measure(program: type, steps: int, backend: str = "interpret") -> dict:
     if tape.backend == "native":
         row["ops on the worker after warm-up %"] = 100.0 * worker_ops / ops if ops else 0.0
     row.update({
-        "eager s": sum(eager_t),
-        "coexec s": sum(co_t),
-        "ratio": sum(co_t) / sum(eager_t),
-        "ratio after warm-up": sum(co_t[warm:]) / sum(eager_t[warm:]) if warm < steps else float("nan"),
-        "bit-equal": same,
+        "eager s": sum(pair.eager_t),
+        "coexec s": sum(pair.co_t),
+        "ratio": pair.ratio(0),
+        "ratio after warm-up": pair.ratio(warm),
+        "bit-equal": pair.same(),
     })  # fmt: skip
     return row
 

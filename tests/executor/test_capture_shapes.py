@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from executor import native
 from executor.capture import Capture
