@@ -81,8 +81,7 @@ struct OpWay {
 // lines are not "Meta: " ones).
 std::string registration(const std::string& dump, const std::string& key) {
   const std::string head = key + ": registered at ";
-  size_t at = dump.rfind("\n" + head) != std::string::npos ? dump.rfind("\n" + head) + 1 : std::string::npos;
-  if (at == std::string::npos && dump.compare(0, head.size(), head) == 0) at = 0;
+  size_t at = ("\n" + dump).find("\n" + head);  // (at the line's start; the dump's first line too)
   if (at == std::string::npos) return "";
   const size_t end = dump.find('\n', at);
   return dump.substr(at, end == std::string::npos ? std::string::npos : end - at);
