@@ -11,8 +11,10 @@
 
 Inside ``step()`` every op the thread calls comes to one C++ kernel, which answers with
 placeholders (tensors without memory) from a cache of what the same op at the same Python line
-made before, and queues the op for the worker; an op it cannot answer (first sight, new sizes,
-``.item()``, a shape that depends on data) waits for the worker and runs at once, as eager. So
+made before, and queues the op for the worker. An op the cache has not met (first sight, new
+sizes) has its output metadata computed from its own CPU code without its data
+(``native/capture_shapes.h``) and is queued all the same; one whose result Python reads
+(``.item()``) or whose shape depends on data waits for the worker and runs at once, as eager. So
 autograd, modules and optimizers run unchanged over placeholders, and the values are eager's bit
 for bit (the same kernels in the same order with the same thread count). At the step's end the
 worker catches up and every placeholder still alive becomes its value in place.
