@@ -189,6 +189,15 @@ class Capture {
     missed_ = false;
     recording_ = false;
     if (seen_.size() > kMaxLocations) seen_.clear();
+    if (g_shapes_broken.load(std::memory_order_relaxed) && !forgot_shapes_) {
+      // (an answer of the shape oracle was wrong: what it answered is let go of, with the
+      // blocks made over it; from now on such ops run at once and fill the cache as they ran)
+      forgot_shapes_ = true;
+      cache_.clear();
+      blocks_.clear();
+      making_at_.clear();
+      blocks_made_ = 0;
+    }
     auto tls = c10::impl::tls_local_dispatch_key_set();
     included_before_ = tls.included_;
     tls.included_ = tls.included_ | c10::DispatchKeySet(kKey);
@@ -386,6 +395,7 @@ class Capture {
   std::vector<std::string> internal_;  // the directories whose code is not the user's
   int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
   int64_t shaped_ = 0;  // ops new at their line whose outputs the shape oracle computed
+  bool forgot_shapes_ = false;  // (the cache was emptied after a wrong answer: begin())
   uint64_t sample_ = 0x9E3779B97F4A7C15ull;  // (timed_now)
   uint64_t next_entry_id_ = 1;
 
@@ -654,7 +664,7 @@ class Capture {
   // Cache what `op` made (its returns on `stack`) from `args`, whose tensors had the metadata
   // `inputs` before it ran (an ``out=`` that resizes changed its argument's since).
   const Entry& fill(const c10::OperatorHandle& op, const Key& key, Args args, std::vector<TensorMeta> inputs,
-                    const torch::jit::Stack& stack, bool shaped = false) {
+                    const torch::jit::Stack& stack) {
     const auto& schema = op.schema();
     Entry e;
     e.inputs = std::move(inputs);
@@ -662,7 +672,6 @@ class Capture {
     e.outputs = out_metas(stack, schema.returns().size());
     for (size_t r = 0; r < schema.returns().size(); ++r) e.written.push_back(written_arg(schema, r));
     e.run_now = must_run_now(op);
-    e.shaped = shaped;
     e.id = next_entry_id_++;
     auto& variants = cache_[key];
     for (auto it = variants.begin(); it != variants.end(); ++it)
@@ -684,7 +693,7 @@ class Capture {
     std::vector<TensorMeta> inputs;
     input_metas(args, inputs);
     ++shaped_;
-    return &fill(op, key, args, std::move(inputs), out, true);
+    return &fill(op, key, args, std::move(inputs), out);
   }
 
   void run_now(const c10::OperatorHandle& op, const Key& key, Args args,
@@ -1147,7 +1156,13 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (it != cache_.end())
     for (auto v = it->second.rbegin(); v != it->second.rend() && cached == nullptr; ++v)
       if (matches(*v, schema, args)) cached = &*v;
-  if (cached == nullptr) cached = shape(op, key, args);
+  // (a new variant the oracle answered: its outputs checked when the worker runs it, once: the
+  // cache's answers are its)
+  bool shaped = false;
+  if (cached == nullptr) {
+    cached = shape(op, key, args);
+    shaped = cached != nullptr;
+  }
   if (mode_ == Mode::kAsync && (cached == nullptr || cached->run_now || changes_written(*cached, args))) {
     if (cached == nullptr) {
       ++misses_;
@@ -1190,14 +1205,14 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         l.push_back(make_ph(t));
         number(l.back());
         entry.out_slots.push_back(slot_of(l.back()));
-        if (cached->shaped) entry.expect.push_back(t);
+        if (shaped) entry.expect.push_back(t);
       }
       out = std::move(l);
     } else {
       at::Tensor t = make_ph(m.tensors[0]);
       number(t);
       entry.out_slots.push_back(slot_of(t));
-      if (cached->shaped) entry.expect.push_back(m.tensors[0]);
+      if (shaped) entry.expect.push_back(m.tensors[0]);
       out = std::move(t);
     }
     stack->push_back(std::move(out));

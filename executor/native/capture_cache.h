@@ -79,7 +79,6 @@ struct Entry {
   // (written_arg), and whether it must run at once (must_run_now)
   std::vector<int> written;
   bool run_now = false;
-  bool shaped = false;  // its outputs computed by the shape oracle (capture_shapes.h): checked on the worker
   uint64_t id = 0;  // the same id for the same arguments and outputs (a step's path names it)
 };
 

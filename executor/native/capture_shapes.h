@@ -17,10 +17,11 @@
 // A kernel that reads data (a CPU kernel's loop) fails there (c10's error, or NotShaped). Then
 // the op's CPU kernel runs eagerly on this thread on stand-ins of its arguments (ones, or zeros
 // for integers: stand_in_outputs; arguments of up to 1 MiB): its compute, but no wait for the
-// worker to compute the real arguments. Ops whose result Python reads or whose shape follows data, and random ops that take
-// no generator, are not answered: they run at once as before. So an answer is the CPU's own
-// metadata or none. The worker checks every answer against what the op made all the same
-// (capture_worker.h, check_shaped): a mismatch fails the step and stops answering for good.
+// worker to compute the real arguments. Ops whose result Python reads or whose shape follows
+// data, and random ops that take no generator, are not answered: they run at once as before. So
+// an answer is the CPU's own metadata or none. The worker checks each answer against what the op
+// made on the run it was made for (capture_worker.h, check_shaped): a mismatch fails the step,
+// stops answering for good, and the capture empties its cache at the next step.
 #pragma once
 
 #include <torch/extension.h>

@@ -268,8 +268,8 @@ void run_op(const TapeEntry& e, Out outs, StepLog* log) {
 }
 
 // The shape oracle's answer against what the op made: a mismatch (a coexec bug) stops the oracle
-// in this process, and the step fails at its next wait (Python already holds tensors of the
-// wrong shape).
+// in this process (the capture empties its cache at the next step), and the step fails at its
+// next wait (Python already holds tensors of the wrong shape).
 void check_shaped(const TapeEntry& e, uint32_t i, const at::Tensor& t) {
   const TensorMeta& m = e.expect[i];
   if (m.dtype == c10::ScalarType::Undefined || m.same(t)) return;
