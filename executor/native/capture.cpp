@@ -1178,7 +1178,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (cached == nullptr) {  // (nothing computed) the op's meta kernel says what it makes
     ++misses_;
-    for (const c10::IValue& a : args) stack->push_back(map_tensors(a, to_meta));
+    for (const c10::IValue& a : args) stack->push_back(map_tensors(a, as_meta));
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
     std::vector<TensorMeta> inputs;
     input_metas(args, inputs);

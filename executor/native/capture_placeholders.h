@@ -302,12 +302,6 @@ void each_tensor(const c10::IValue& iv, F f) {
   }
 }
 
-at::Tensor to_meta(const at::Tensor& t) {
-  if (!t.defined()) return t;
-  return at::empty_strided(t.sizes(), t.strides(), t.options().device(c10::kMeta))
-      .as_strided(t.sizes(), t.strides(), t.storage_offset());
-}
-
 // the argument that return ``r`` writes in place (``add_``, ``out=``), or -1
 int written_arg(const c10::FunctionSchema& schema, size_t r) {
   const auto* alias = schema.returns()[r].alias_info();

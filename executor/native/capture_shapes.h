@@ -44,7 +44,7 @@ namespace coexec {
 namespace {
 
 // Thrown inside the oracle: this op's outputs are not computed without running it.
-struct NotShaped {};
+struct NotShaped : std::exception {};
 
 // On the step's thread, while the oracle runs: ops on shape placeholders come back to it.
 thread_local bool t_shaping = false;
@@ -76,6 +76,8 @@ struct OpWay {
   Way way = Way::kNone;
   const c10::KernelFunction* meta = nullptr;  // (kStructured)
   int64_t tried = 0, answered = 0;  // top-level calls: an op never answered stops being tried
+  bool stand_ins = false;  // whether it may run on stand-ins (stand_in_outputs)
+  int generator = -1;  // a random op's Generator argument (stand-ins: a generator of its own)
 };
 
 // The registration line of dispatch key `key` in the op's dump ("" if none; "Meta (inactive)"
@@ -108,11 +110,24 @@ bool keeps_metadata(const c10::OperatorHandle& op) {
   return writes;
 }
 
-// How the oracle answers `op` (found once per op).
+// A random op's Generator argument, or -1.
+int generator_arg(const c10::FunctionSchema& schema) {
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    auto type = schema.arguments()[i].type();
+    if (type->kind() == c10::TypeKind::OptionalType) type = type->castRaw<c10::OptionalType>()->getElementType();
+    if (type->kind() == c10::TypeKind::GeneratorType) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// How the oracle answers `op`, and whether it may run on stand-ins (found once per op).
 OpWay find_way(const c10::OperatorHandle& op) {
   OpWay w;
   const auto& schema = op.schema();
   if (schema.name().rfind("aten::", 0) != 0 || must_run_now(op)) return w;
+  const bool seeded = op.hasTag(at::Tag::nondeterministic_seeded);
+  if (seeded) w.generator = generator_arg(schema);
+  w.stand_ins = !seeded || w.generator >= 0;
   const auto& table = structured_meta();
   if (auto it = table.find(op.operator_name()); it != table.end()) {
     w.way = Way::kStructured;
@@ -125,7 +140,7 @@ OpWay find_way(const c10::OperatorHandle& op) {
     w.way = Way::kMeta;
   } else if (keeps_metadata(op)) {
     w.way = Way::kInPlace;
-  } else if (op.hasTag(at::Tag::nondeterministic_seeded) && op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+  } else if (seeded && op.hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
     // (a random op's own CPU kernel may draw from its generator before it reads data, while
     // the worker draws from it; a composite one draws through the ops it calls, and an
     // in-place one, above, is answered without drawing)
@@ -146,21 +161,21 @@ OpWay& way_of(const c10::OperatorHandle& op) {
   return it->second;
 }
 
-// The elements of storage that a tensor with this metadata reaches (offset included).
-int64_t storage_elements(c10::IntArrayRef sizes, c10::IntArrayRef strides, int64_t offset) {
-  int64_t n = offset + 1;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] == 0) return offset;
-    n += (sizes[i] - 1) * strides[i];
-  }
-  return n;
+// The bytes of storage a tensor with t's metadata reaches (its offset included).
+int64_t reached_bytes(const at::Tensor& t) {
+  return static_cast<int64_t>(at::detail::computeStorageNbytes(
+      t.sizes(), t.strides(), t.dtype().itemsize(), static_cast<size_t>(t.storage_offset())));
 }
 
-// A meta tensor with t's metadata (made without the dispatcher: the capture's key is on).
+// The elements of storage a tensor with t's metadata reaches.
+int64_t reached_elements(const at::Tensor& t) { return reached_bytes(t) / static_cast<int64_t>(t.dtype().itemsize()); }
+
+// A meta tensor with t's metadata (made without the dispatcher: the capture's key is on; a
+// storage that reaches its offset, which Meta's bounds checks ask for).
 at::Tensor as_meta(const at::Tensor& t) {
   if (!t.defined() || t.is_meta()) return t;
-  at::Tensor m = at::detail::empty_meta({storage_elements(t.sizes(), t.strides(), t.storage_offset())},
-                                        t.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+  at::Tensor m = at::detail::empty_meta({reached_elements(t)}, t.scalar_type(), std::nullopt, std::nullopt,
+                                        std::nullopt, std::nullopt);
   auto* impl = m.unsafeGetTensorImpl();
   impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) impl->set_wrapped_number(true);
@@ -181,8 +196,7 @@ at::Tensor as_shape(const at::Tensor& t) {
   if (!t.defined() || is_shape(t)) return t;
   auto impl = c10::make_intrusive<PlaceholderImpl>(t.dtype(), nullptr);
   impl->take_metadata(t.sizes(), t.strides(), t.storage_offset());
-  impl->hold_no_data(storage_elements(t.sizes(), t.strides(), t.storage_offset()) *
-                     static_cast<int64_t>(t.dtype().itemsize()));
+  impl->hold_no_data(reached_bytes(t));
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) impl->set_wrapped_number(true);
   return at::Tensor(std::move(impl));
 }
@@ -259,7 +273,7 @@ constexpr int64_t kTriesUnanswered = 4;  // top-level calls of an op never answe
 // probability, a divisor), zeros elsewhere (an index). Made without the capture's dispatch.
 at::Tensor stand_in(const at::Tensor& t) {
   if (!t.defined()) return t;
-  const int64_t n = storage_elements(t.sizes(), t.strides(), t.storage_offset());
+  const int64_t n = reached_elements(t);
   at::Tensor z = at::detail::empty_cpu({n}, t.scalar_type(), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   if (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) {
     z.fill_(1);  // (a CPU tensor: the caller dispatches below the capture's key)
@@ -281,29 +295,21 @@ at::Tensor stand_in(const at::Tensor& t) {
 // here and the op runs at once.
 constexpr int64_t kStandInBytes = 1 << 20;  // the most bytes of arguments made as stand-ins for one op
 
-bool stand_in_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included) {
+bool stand_in_outputs(const OpWay& w, const c10::OperatorHandle& op, Args args, torch::jit::Stack& out,
+                      c10::DispatchKeySet included) {
+  if (!w.stand_ins) return false;
   // (bigger arguments: the op's compute twice, here and on the worker, against once at once)
   int64_t bytes = 0;
   for (const c10::IValue& a : args)
     each_tensor(a, [&bytes](const at::Tensor& t) {
-      if (t.defined()) bytes += storage_elements(t.sizes(), t.strides(), t.storage_offset()) * t.dtype().itemsize();
+      if (t.defined()) bytes += reached_bytes(t);
     });
   if (bytes > kStandInBytes) return false;
-  const auto& schema = op.schema();
-  int generator = -1;  // (a random op draws from a generator of its own here, if it takes one)
-  if (op.hasTag(at::Tag::nondeterministic_seeded)) {
-    for (size_t i = 0; i < schema.arguments().size(); ++i) {
-      auto type = schema.arguments()[i].type();
-      if (type->kind() == c10::TypeKind::OptionalType) type = type->castRaw<c10::OptionalType>()->getElementType();
-      if (type->kind() == c10::TypeKind::GeneratorType) generator = static_cast<int>(i);
-    }
-    if (generator < 0) return false;
-  }
   try {
     at::AutoDispatchBelowADInplaceOrView below;
     c10::impl::ForceDispatchKeyGuard off(included, c10::impl::tls_local_dispatch_key_set().excluded_);
     for (const c10::IValue& a : args) out.push_back(map_tensors(a, stand_in));
-    if (generator >= 0) out[generator] = at::detail::createCPUGenerator();
+    if (w.generator >= 0) out[w.generator] = at::detail::createCPUGenerator();
     op.callBoxed(out);
   } catch (const std::exception&) {
     out.clear();
@@ -315,7 +321,7 @@ bool stand_in_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stac
 // What `op` makes from `args`, computed without the worker, on `out` (its returns), or false:
 // by the oracle where it answers, else by running the kernel on stand-ins.
 bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included) {
-  if (g_shapes_broken.load(std::memory_order_relaxed) || must_run_now(op)) return false;
+  if (g_shapes_broken.load(std::memory_order_relaxed)) return false;
   OpWay& w = way_of(op);
   if (w.way != Way::kNone && (w.answered > 0 || w.tried < kTriesUnanswered)) {
     ++w.tried;
@@ -325,13 +331,11 @@ bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& 
       shape_call(op, &out);
       ++w.answered;
       return true;
-    } catch (const NotShaped&) {
-      out.clear();
-    } catch (const std::exception&) {  // (c10::Error: a kernel read data, or a check failed)
+    } catch (const std::exception&) {  // (NotShaped; c10::Error: a kernel read data, a check failed)
       out.clear();
     }
   }
-  return stand_in_outputs(op, args, out, included);
+  return stand_in_outputs(w, op, args, out, included);
 }
 
 }  // namespace
