@@ -63,10 +63,6 @@ def _program(fixed: bool) -> TransformerRandomLength:
     return p
 
 
-def _budget_of(tape: coexec.GradientTape):
-    return tape._program.native_budget  # (coexec/native_plans.py's NativeBudget)
-
-
 def _peaks(fixed: bool, steps: int) -> list[int]:
     """Each step's peak under a budget that does not bind (the budget's counting on)."""
     p, rng = _program(fixed), _OwnRNG()
@@ -82,6 +78,7 @@ def _peaks(fixed: bool, steps: int) -> list[int]:
 def measure(fixed: bool, steps: int, fraction: float) -> dict:
     peaks = _peaks(fixed, steps)
     budget = int(fraction * max(peaks))
+    lengths = "fixed 128" if fixed else "drawn in [16, 128]"
     pair = Pair(lambda: _program(fixed))
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("dynamic budget", fixed, fraction))
     first, over_before, largest = None, 0, 0
@@ -89,8 +86,7 @@ def measure(fixed: bool, steps: int, fraction: float) -> dict:
         try:
             pair.step(i, tape)
         except coexec.BudgetTooSmall as e:  # (at the step after the plan was asked for)
-            return {"lengths": "fixed 128" if fixed else "drawn in [16, 128]", "budget MB": budget / MB,
-                    "first planned step": f"none: {e}"}  # fmt: skip
+            return {"lengths": lengths, "budget MB": budget / MB, "first planned step": f"none: {e}"}
         s = tape.stats
         if s.planned_peak_bytes is None:
             over_before += s.peak_bytes > budget
@@ -98,9 +94,9 @@ def measure(fixed: bool, steps: int, fraction: float) -> dict:
         else:
             first = i if first is None else first
             largest = max(largest, s.peak_bytes)
-    b = _budget_of(tape)
+    b = tape._program.native_budget  # (coexec/native_plans.py's NativeBudget)
     return {
-        "lengths": "fixed 128" if fixed else "drawn in [16, 128]",
+        "lengths": lengths,
         "steps": steps,
         "budget MB": budget / MB,
         "peaks unbudgeted MB": f"{min(peaks) / MB:.2f}-{max(peaks) / MB:.2f}",

@@ -12,9 +12,10 @@ holds more than 5% above its planned peak has outgrown it, and the next step is 
 plan made for a smaller step than the one in use (by their unplanned peaks) is left unused, so
 the plan in use is that of the largest step described. A budget no plan can meet raises
 :class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs. A step that
-meets ops new at their line (first sight, sizes not met there) is not described (those ops ran
-at once): where sizes change at every step none is, and after 8 such steps without a plan a
-``RuntimeWarning`` says so.
+ran ops at once because they were new at their line and could not be answered without running
+them (a shape that follows data) is not described: where sizes change at every step none is,
+and after 8 such steps without a plan a ``RuntimeWarning`` says so; another says when 8 steps
+in a row did not follow the plan (their ops differ from the planned step's).
 """
 
 from __future__ import annotations
@@ -173,9 +174,9 @@ class NativeBudget:
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
         if self.plan is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
-        grew = stats.peak_bytes > self.plan.planned_peak * OUTGROWN if self.plan is not None else False
-        if grew and capture.followed and not self.describing:
-            self.outgrown = True  # (the next step is described: a plan for larger sizes may be due)
+        if self.plan is not None and capture.followed and not self.describing:
+            # (it grew past the plan: the next step is described, a plan for larger sizes may be due)
+            self.outgrown = self.outgrown or stats.peak_bytes > self.plan.planned_peak * OUTGROWN
 
     def _warn_unplanned(self) -> None:
         if self.plan is None:
@@ -187,9 +188,9 @@ class NativeBudget:
             )
         else:
             why = (
-                "has a plan that the last {n} steps did not follow: their ops or sizes differ from "
-                "the step planned (sizes that change between steps: a plan covers the sizes it was "
-                "made for), so they ran unplanned, at eager's peak"
+                "has a plan that the last {n} steps did not follow: their ops differ from the step "
+                "planned (a loop whose count changes from step to step), so they ran unplanned, at "
+                "eager's peak"
             )
         warnings.warn(
             f"coexec: the memory budget of the step at {self.where} " + why.format(n=self.unplannable)
