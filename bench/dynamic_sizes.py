@@ -95,9 +95,10 @@ class Pair:
             torch.equal(a, b) for a, b in zip(tensors_of(vars(self.co)), tensors_of(vars(self.eager)))
         )
 
-    def ratio(self, start: int) -> float:
-        """The coexec steps' time over the eager ones', from step ``start``."""
-        return sum(self.co_t[start:]) / sum(self.eager_t[start:]) if start < len(self.co_t) else float("nan")
+    def ratio(self, start: int, stop: int | None = None) -> float:
+        """The coexec steps' time over the eager ones', from step ``start`` (to ``stop``)."""
+        co, eager = self.co_t[start:stop], self.eager_t[start:stop]
+        return sum(co) / sum(eager) if co else float("nan")
 
 
 def measure(program: type, steps: int, backend: str = "interpret") -> dict:

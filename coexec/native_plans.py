@@ -10,7 +10,11 @@ and planned anew, at most every 16 steps. Where sizes change (a length drawn per
 made at one size is followed at the others (its path is its ops): a step that follows it and
 holds more than 5% above its planned peak has outgrown it, and the next step is described; a
 plan made for a smaller step than the one in use (by their unplanned peaks) is left unused, so
-the plan in use is that of the largest step described. A budget no plan can meet raises
+the plan in use is that of the largest step described. From the step after the first described
+one, the capture's guard (``Capture.guard``, ``native/capture_worker.h``) holds every step within
+the budget (less the state the described step found: the allocator counts the step's own bytes)
+where the plan does not: before the plan arrives, and on a step larger than the one planned, by
+dropping values on the worker where an op would go over and making them again where read. A budget no plan can meet raises
 :class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs. A step that
 ran ops at once because they were new at their line and could not be answered without running
 them (a shape that follows data) is not described: where sizes change at every step none is,
@@ -119,6 +123,7 @@ class NativeBudget:
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
         self.planning_seconds = 0.0  # the planner's time on them
         self.live0 = 0
+        self.persistent: int | None = None  # bytes the described step found existing (its state)
         self.remade0 = self.misses0 = 0
         self.remade_seconds0 = 0.0
 
@@ -141,6 +146,9 @@ class NativeBudget:
         capture.follow(None if self.plan is None else self.plan.drops)
         cpu.reset_cpu_peak()
         self.live0 = cpu.cpu_bytes()[0]
+        # (the guard: the step's own bytes kept within what the budget leaves beside its state)
+        persistent = self._persistent()
+        capture.guard(0 if persistent is None else self.live0 + max(1, self.budget - persistent))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
         return lines
@@ -155,7 +163,9 @@ class NativeBudget:
             self.unplannable += 1
         elif self.describing:
             self.unplannable = 0
-            self.future = _submit(capture.description(), self.budget)
+            d = capture.description()
+            self.persistent = sum(n for n, existed in zip(d.storage_bytes, d.existed) if existed)
+            self.future = _submit(d, self.budget)
             self.described_at = self.steps
             self.unfollowed = 0
             self.outgrown = False
@@ -166,17 +176,23 @@ class NativeBudget:
         if self.unplannable >= UNPLANNABLE and not self.warned:
             self.warned = True
             self._warn_unplanned()
-        persistent = self.plan.persistent_bytes if self.plan is not None else 0
-        stats.peak_bytes = persistent + cpu.cpu_bytes()[1] - self.live0
+        persistent = self._persistent()
+        stats.peak_bytes = (persistent or 0) + cpu.cpu_bytes()[1] - self.live0
         stats.planned_peak_bytes = self.plan.planned_peak if self.plan is not None else None
         c = capture.counters
         stats.recomputed_ops = c.remade - self.remade0
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
-        if self.plan is not None and stats.peak_bytes > self.budget:
+        if persistent is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
         if self.plan is not None and capture.followed and not self.describing:
             # (it grew past the plan: the next step is described, a plan for larger sizes may be due)
             self.outgrown = self.outgrown or stats.peak_bytes > self.plan.planned_peak * OUTGROWN
+
+    def _persistent(self) -> int | None:
+        """The bytes of the state a step holds besides its own (parameters, optimizer state,
+        inputs): as the plan in use counted them, or the last described step found them; None
+        before a step is described."""
+        return self.plan.persistent_bytes if self.plan is not None else self.persistent
 
     def _warn_unplanned(self) -> None:
         if self.plan is None:

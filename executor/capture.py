@@ -80,6 +80,8 @@ class CaptureCounters(NamedTuple):
     remade: int  # dropped values made again (read after their drop)
     remade_seconds: float  # the time their ops took, on whichever thread read them
     shaped: int  # ops new at their line whose outputs the shape oracle computed (native/capture_shapes.h)
+    evicted: int  # values a budget's guard dropped (:meth:`Capture.guard`)
+    overruns: int  # ops before which it could not drop enough to stay within its cap
 
 
 class Capture:
@@ -112,12 +114,11 @@ class Capture:
 
     @property
     def counters(self) -> CaptureCounters:
-        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls, dropped, remade, remade_ns, shaped = (
-            self._c.counters
-        )
+        c = self._c.counters
+        ops, misses, run_now, kernel_ns, taped, wait_ns, busy_ns, blocks, calls, dropped, remade, remade_ns = c[:12]
         return CaptureCounters(
             ops, misses, run_now, kernel_ns * 1e-9, taped, wait_ns * 1e-9, busy_ns * 1e-9, blocks,
-            calls, dropped, remade, remade_ns * 1e-9, shaped,
+            calls, dropped, remade, remade_ns * 1e-9, *c[12:],
         )  # fmt: skip
 
     def describe_next(self) -> None:
@@ -144,6 +145,14 @@ class Capture:
             self._c.clear_drops()
         else:
             self._c.set_drops(list(plan.ops), sorted(plan.keep), sorted(plan.after.items()))
+
+    def guard(self, cap: int) -> None:
+        """Keep the next steps' ops within ``cap`` live bytes of the CPU allocator
+        (``native.cpu_bytes()``; 0: no guard): before an op that would take it past the cap, the
+        worker drops values it can make again (cheapest per byte, oldest first) and makes them
+        again where they are read. A memory budget's backstop for steps its plan does not cover
+        (coexec/native_plans.py)."""
+        self._c.guard(int(cap))
 
     @property
     def followed(self) -> bool:

@@ -184,8 +184,9 @@ class Capture {
       g_issued.store(0);
     }
     g_describing.store(describing_);
-    if (worker_) worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_);
+    if (worker_) worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_, cap_);
     saved_hooks_ = false;
+    forward_ = true;
     missed_ = false;
     recording_ = false;
     if (seen_.size() > kMaxLocations) seen_.clear();
@@ -203,6 +204,7 @@ class Capture {
     tls.included_ = tls.included_ | c10::DispatchKeySet(kKey);
     c10::impl::_force_tls_local_dispatch_key_set(tls);
     if (worker_) t_trash = &trash_;
+    t_banish = worker_ && cap_ > 0 ? &banished_ : nullptr;
   }
 
   // The step ends: its ops are computed, placeholders still alive become their values, and a
@@ -259,7 +261,8 @@ class Capture {
   py::tuple counters() const {
     return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
                           worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_,
-                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load(), shaped_);
+                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load(), shaped_,
+                          worker_ ? worker_->evicted() : int64_t(0), worker_ ? worker_->overruns() : int64_t(0));
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -338,6 +341,13 @@ class Capture {
 
   void clear_drops() { drops_.reset(); }
 
+  // Keep the next steps' ops within `cap` live bytes of the CPU allocator (0: no guard), by
+  // dropping values where an op would go past it (Worker::make_room).
+  void guard(int64_t cap) {
+    TORCH_CHECK(cap >= 0, "coexec: a guard's cap is a byte count (0: none), not ", cap);
+    cap_ = cap;
+  }
+
   // Did the last step follow its memory plan to its end (false: it met another op first, or had none)?
   bool followed() const { return followed_; }
 
@@ -378,6 +388,7 @@ class Capture {
   int64_t steps_ = 0;
   std::vector<TapeEntry> tape_;                          // replay and tape modes
   std::vector<at::Tensor> trash_;  // values let go of since the last op (t_trash)
+  std::vector<std::weak_ptr<Slot>> banished_;  // slots let go of that something else holds (t_banish)
   // per op of the step: where it was called (errors name it)
   struct Place {
     PyCodeObject* code;  // the innermost Python frame
@@ -395,6 +406,8 @@ class Capture {
   std::vector<std::string> internal_;  // the directories whose code is not the user's
   int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
   int64_t shaped_ = 0;  // ops new at their line whose outputs the shape oracle computed
+  int64_t cap_ = 0;     // the guard's cap (guard())
+  bool forward_ = true;  // no backward() yet in this step
   bool forgot_shapes_ = false;  // (the cache was emptied after a wrong answer: begin())
   uint64_t sample_ = 0x9E3779B97F4A7C15ull;  // (timed_now)
   uint64_t next_entry_id_ = 1;
@@ -520,8 +533,10 @@ class Capture {
     outers_.clear();
     g_active.store(nullptr);
     t_trash = nullptr;
+    t_banish = nullptr;
     drain();
     trash_.clear();  // (let go of after the ops that use them)
+    banished_.clear();
     if (worker_) {
       py::gil_scoped_acquire gil;
       worker_->exhume();
@@ -770,6 +785,7 @@ Capture::Place Capture::here() {
 
 int Capture::backward_begin(const at::Tensor& loss, const std::vector<at::Tensor>& inputs, bool allow_unused) {
   ++backwards_;
+  forward_ = false;  // (the guard keeps recipes for the forward's values only: Worker::guard)
   auto engine = [this](std::string why) {
     backward_why_ = std::move(why);
     return static_cast<int>(kEngine);
@@ -999,6 +1015,19 @@ void Capture::backward_end(bool ok, const std::string& python, bool again,
   rec_ = Recording{};
 }
 
+// The bytes of the new storages an op's returns will have (`written`, `outputs`: per return; a
+// return the schema says aliases an argument, a view, has none).
+int64_t made_bytes(const c10::FunctionSchema& schema, const std::vector<int>& written, const std::vector<OutMeta>& outputs) {
+  int64_t n = 0;
+  for (size_t r = 0; r < outputs.size() && r < written.size(); ++r) {
+    if (written[r] >= 0 || (r < schema.returns().size() && schema.returns()[r].alias_info() != nullptr)) continue;
+    for (const TensorMeta& m : outputs[r].tensors)
+      if (m.dtype != c10::ScalarType::Undefined)
+        n += static_cast<int64_t>(at::detail::computeStorageNbytes(m.sizes, m.strides, c10::elementSize(m.dtype), m.offset));
+  }
+  return n;
+}
+
 // Issue block `b` for this step (graph `w`), or say why not (nothing issued then).
 std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site) {
   const bool grad = !b.inputs.empty();  // (torch.autograd.grad: no leaf's .grad is read)
@@ -1094,8 +1123,11 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
       for (const TensorMeta& m : o.outputs[r].tensors)
         e.out_slots.push_back(m.dtype == c10::ScalarType::Undefined ? nullptr : new_values[next_new++]);
     }
+    if (cap_ > 0) e.made_bytes = made_bytes(o.op->schema(), o.written, o.outputs);
+    e.forward = false;
     g0 += o.refs.size();
     e.trash.swap(trash_);
+    e.banished.swap(banished_);
     worker_->publish();
   }
   ops_ += static_cast<int64_t>(b.ops.size());
@@ -1217,10 +1249,13 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
     stack->push_back(std::move(out));
   }
+  if (cap_ > 0) entry.made_bytes = made_bytes(schema, cached->written, cached->outputs);
+  entry.forward = forward_;
   // (moved, after the outputs took the written ones: a copy and a destroy an argument less)
   for (c10::IValue& a : args) entry.add_arg(std::move(a));
   if (worker_) {
     entry.trash.swap(trash_);  // (capacity goes back and forth: no allocation)
+    entry.banished.swap(banished_);
     worker_->publish();
   }
 }
@@ -1289,6 +1324,7 @@ void bind_capture(py::module_& m) {
       .def("description", &Capture::description)
       .def("set_drops", &Capture::set_drops)
       .def("clear_drops", &Capture::clear_drops)
+      .def("guard", &Capture::guard)
       .def_property_readonly("followed", &Capture::followed)
       .def_property_readonly("backward_why", &Capture::backward_why)
       .def_property_readonly("stepping", &Capture::stepping)

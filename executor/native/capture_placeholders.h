@@ -38,8 +38,12 @@ struct Slot {
   at::Tensor real;  // the value, once computed (empty again while dropped: `recipe` remakes it)
   uint64_t id = 0;  // its number among the capture's placeholders (capture_blocks.h; 0: none)
   int32_t holders = 0;  // placeholders alive with this slot
-  // under a memory plan (capture_worker.h, Drops): how to make the value again once dropped
+  // under a memory plan (capture_worker.h, Drops) or a budget's guard: how to make the value
+  // again once dropped
   std::shared_ptr<Recipe> recipe;
+  int64_t dropped_bytes = 0;  // what its value held when the guard dropped it (its remake's bytes)
+  int64_t made_ns = 0;        // its op's time (the guard's cost of making it again)
+  std::atomic<int32_t> recipe_holds{0};  // guard's recipes holding it (Worker::bury)
 };
 
 // The slot's value, made again first if a memory plan dropped it (capture_worker.h).
@@ -58,6 +62,10 @@ std::vector<std::pair<uint64_t, int64_t>> g_released;
 // arena locks; the worker could not reuse its own chunks). The slots themselves are freed here,
 // where they are allocated.
 thread_local std::vector<at::Tensor>* t_trash = nullptr;
+// Under a budget's guard: slots whose last placeholder died while something else held them (a
+// guard's recipe, an op not run yet), handed to the worker the same way; there a value that
+// can be made again is dropped (Worker::bury), as eager would free it.
+thread_local std::vector<std::weak_ptr<Slot>>* t_banish = nullptr;
 
 class Capture;
 std::atomic<Capture*> g_active{nullptr};  // the capture a step is running under, if any
@@ -113,6 +121,8 @@ struct PlaceholderImpl : c10::TensorImpl {
     if (t_trash != nullptr && slot && slot.use_count() == 1) {
       std::atomic_thread_fence(std::memory_order_acquire);
       if (slot->real.defined()) t_trash->push_back(std::move(slot->real));
+    } else if (t_banish != nullptr && slot && slot->holders == 1) {
+      t_banish->push_back(slot);
     }
     let_go_of_slot();
   }

@@ -9,6 +9,7 @@
 #include <Python.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -21,6 +22,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -58,8 +60,14 @@ struct TapeEntry {
   std::vector<std::shared_ptr<Slot>> out_slots;
   // values the skeleton let go of since the op before (t_trash): let go of by the worker
   std::vector<at::Tensor> trash;
+  // slots the skeleton let go of that something else holds (t_banish)
+  std::vector<std::weak_ptr<Slot>> banished;  // (weakly: an op's own hold ends when it ran)
   // per out slot, the metadata the shape oracle answered with (capture_shapes.h): checked when it runs
   std::vector<TensorMeta> expect;
+  // under a budget's guard: the bytes of the new storages its outputs will have (not views), and
+  // whether it ran before the step's first backward() (its values may get a recipe)
+  int64_t made_bytes = 0;
+  bool forward = true;
 
   // Ready for another op (capacity kept).
   void clear() {
@@ -70,7 +78,10 @@ struct TapeEntry {
     out_begin.clear();
     out_slots.clear();
     trash.clear();
+    banished.clear();
     expect.clear();
+    made_bytes = 0;
+    forward = true;
   }
 
   // Append argument `iv`.
@@ -225,7 +236,45 @@ struct Drops {
 struct Recipe {
   TapeEntry entry;  // (its out_slots null: `outs` instead)
   std::vector<std::weak_ptr<Slot>> outs;
+  // a guard's (Worker::guard): kept after a remake, so the value may be dropped again (a plan's
+  // goes, letting go of its inputs, as the plan counts); its slots count it (Slot::recipe_holds)
+  bool again = false;
+  // a guard's inputs that cannot be dropped (no recipe: random, written, small), held weakly
+  // until one of its values is dropped (arm): holding them would keep memory eager frees
+  std::vector<std::pair<uint32_t, std::weak_ptr<Slot>>> weak;  // (place in entry.slots, slot)
+
+  // Hold the weakly held inputs: false if one is gone (its values cannot be made again).
+  bool arm() {
+    if (weak.empty()) return true;
+    std::vector<std::shared_ptr<Slot>> held;  // (the step's thread may let go of one meanwhile)
+    held.reserve(weak.size());
+    for (const auto& [k, w] : weak) {
+      held.push_back(w.lock());
+      if (!held.back()) return false;
+    }
+    for (size_t i = 0; i < weak.size(); ++i) {
+      held[i]->recipe_holds.fetch_add(1, std::memory_order_relaxed);
+      entry.slots[weak[i].first] = std::move(held[i]);
+    }
+    weak.clear();
+    return true;
+  }
+
+  Recipe() = default;
+  Recipe(const Recipe&) = delete;
+  Recipe& operator=(const Recipe&) = delete;
+  ~Recipe() {
+    if (again)
+      for (const auto& s : entry.slots)
+        if (s) s->recipe_holds.fetch_sub(1, std::memory_order_relaxed);
+  }
 };
+
+// Drop the value of `s`, which has a recipe (made again where it is next read).
+void drop(Slot& s) {
+  if (s.real.has_storage()) s.dropped_bytes = static_cast<int64_t>(s.real.storage().nbytes());
+  s.real = at::Tensor();
+}
 
 std::atomic<int64_t> g_remade{0};  // values made again (in all)
 std::atomic<int64_t> g_remade_ns{0};  // the time their ops took
@@ -235,15 +284,31 @@ thread_local int t_remaking = 0;
 // On the worker: recipes used up there, whose arguments Python may hold too (a parameter): let
 // go of like a taped op's (Worker::bury), not on the worker, where that would take the GIL.
 thread_local std::vector<std::shared_ptr<Recipe>>* t_used_recipes = nullptr;
+// On the worker under a guard: the values a guard's recipe made again since the last op ended
+// (dropped again there if nothing but recipes holds them: Worker::bury).
+thread_local std::vector<std::shared_ptr<Slot>>* t_remade = nullptr;
+
+// On the worker under a guard: the guard (Worker), which makes room before a value is made
+// again as before an op (a chain of dropped values made again at once would hold them all).
+struct RoomMaker {
+  virtual void make_room(const TapeEntry& e, int64_t need) = 0;
+};
+// (set while a step runs under a guard; the step's thread makes values again only while the
+// worker has nothing to run, so the two never use it at once)
+std::atomic<RoomMaker*> g_room{nullptr};
 
 // Run one taped op on real tensors (the caller is below autograd) and give its outputs' values to
 // their slots (`outs`: per tensor returned, its slot or null). `log`: the op is described in it.
+// `room`: bytes it makes (a value made again), for the guard to make room for once its
+// arguments are gathered (those made again first are held by the stack then, not dropped).
 template <typename Out>
-void run_op(const TapeEntry& e, Out outs, StepLog* log) {
+void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1) {
   c10::AutoGradMode grad(e.grad_mode);
   torch::jit::Stack stack;
   stack.reserve(e.args.size());
   for (size_t i = 0; i < e.args.size(); ++i) stack.push_back(e.real_arg(i));
+  if (room >= 0)
+    if (RoomMaker* m = g_room.load(std::memory_order_acquire)) m->make_room(e, room);
   std::chrono::steady_clock::time_point t0;  // (read only where the op is described)
   if (log != nullptr) {
     t0 = std::chrono::steady_clock::now();
@@ -308,10 +373,11 @@ const at::Tensor& value_of(Slot& s) {
   run_op(e, [&r](uint32_t i, const at::Tensor& t) {
     auto o = r->outs[i].lock();
     if (o && !o->real.defined()) {
+      if (r->again && t_remade != nullptr) t_remade->push_back(o);
       o->real = t;
-      o->recipe.reset();  // (made again once: its inputs are let go of, as the plan counts)
+      if (!r->again) o->recipe.reset();  // (a plan's: made again once, its inputs let go of, as it counts)
     }
-  }, nullptr);
+  }, nullptr, s.dropped_bytes);
   g_remade.fetch_add(1, std::memory_order_relaxed);
   if (nested.outer) g_remade_ns.fetch_add(ns_since(t0), std::memory_order_relaxed);
   if (t_used_recipes != nullptr) t_used_recipes->push_back(std::move(r));
@@ -338,7 +404,7 @@ constexpr auto kNap = std::chrono::microseconds(50);  // (the timer's slack make
 constexpr auto kNapping = std::chrono::milliseconds(100);
 constexpr int64_t kRing = 8192;  // entries (a power of two)
 
-class Worker {
+class Worker final : public RoomMaker {
  public:
   explicit Worker(int threads) : threads_(threads), ring_(kRing) {
     count_cpu_bytes();  // (coexec's CPU allocator: the worker's blocks kept for reuse)
@@ -346,6 +412,8 @@ class Worker {
   }
 
   ~Worker() {
+    RoomMaker* self = this;
+    g_room.compare_exchange_strong(self, nullptr);
     next_entry();  // (op null: the stop)
     publish();
     thread_.join();
@@ -383,13 +451,17 @@ class Worker {
 
   // The next step's memory plan (null: none) and whether it is described, from the step's
   // thread while the worker has nothing to run (before the step's first op is published).
-  void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value) {
+  // `cap`: the CPU allocator's live bytes the step's ops keep within (0: no guard; Worker::guard).
+  void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value, int64_t cap) {
     drops_ = std::move(drops);
     following_ = drops_ != nullptr;
     next_drop_ = 0;
     first_value_ = first_value;
     kept_.clear();
     readers_.clear();
+    guarded_.clear();
+    cap_ = cap;
+    g_room.store(cap > 0 ? this : nullptr, std::memory_order_release);
     describing_ = describe;
     if (describe) log_.clear();
   }
@@ -398,9 +470,15 @@ class Worker {
   void end_step() {
     for (auto& [n, w] : kept_)
       if (auto s = w.lock()) s->recipe.reset();
+    for (auto& g : guarded_)
+      if (auto s = g.slot.lock()) s->recipe.reset();
     kept_.clear();
+    guarded_.clear();
+    remade_.clear();
     readers_.clear();
     drops_.reset();
+    cap_ = 0;
+    g_room.store(nullptr, std::memory_order_release);
   }
 
   // The described step's log: the worker's ops, and those the step's thread ran at once (both
@@ -411,6 +489,9 @@ class Worker {
   // Did the step follow its plan to the end? Values dropped so far.
   bool followed() const { return following_; }
   int64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+  // Values the guard dropped so far (Worker::make_room), and times it could not drop enough.
+  int64_t evicted() const { return evicted_.load(std::memory_order_relaxed); }
+  int64_t overruns() const { return overruns_.load(std::memory_order_relaxed); }
 
   // Let go of the arguments Python holds too that the worker laid aside (bury): GIL held.
   void exhume() { grave_.exhume(); }
@@ -454,9 +535,20 @@ class Worker {
   // again, and makes the others values no plan may drop (their recipe would give another value)
   std::unordered_multimap<const void*, std::weak_ptr<Recipe>> readers_;
   std::atomic<int64_t> dropped_{0};
+  // the budget's guard (make_room): the cap, the values it may drop (this step's, with a recipe),
+  // per op the most its kernel allocated and freed again (its workspace), what it did
+  struct Guarded {
+    std::weak_ptr<Slot> slot;
+    int64_t at;  // the op's place
+  };
+  int64_t cap_ = 0;
+  std::vector<Guarded> guarded_;
+  std::unordered_map<const c10::OperatorHandle*, int64_t> workspace_;
+  std::atomic<int64_t> evicted_{0}, overruns_{0};
   bool describing_ = false;
   StepLog log_;
   std::vector<std::shared_ptr<Recipe>> used_recipes_;  // (t_used_recipes)
+  std::vector<std::shared_ptr<Slot>> remade_;          // (t_remade)
   std::thread thread_;
 
   // Before op `e` runs: what it writes is no longer what a recipe reads.
@@ -497,10 +589,41 @@ class Worker {
     for (auto& r : hit)
       for (auto& w : r->outs)
         if (auto o = w.lock()) {
-          if (!o->real.defined() && o->recipe) value_of(*o);
+          if (!o->real.defined() && o->recipe) {
+            // (dropped: made now if it may be read, by the program, an op to run or another
+            // dropped value's recipe; else forgotten, and so are recipes reading it)
+            if (needed(o, kNeeded)) {
+              value_of(*o);
+            } else {
+              o->recipe.reset();
+              unrecipe(o.get());
+              continue;
+            }
+          }
           o->recipe.reset();
         }
     for (auto& r : hit) used_recipes_.push_back(std::move(r));  // (let go of in bury)
+  }
+
+  // May dropped `o` be read: does the program hold it, an op to run, or the recipe of a dropped
+  // value that may be read (to `depth`: further, it counts as read)?
+  bool needed(const std::shared_ptr<Slot>& o, int depth) {
+    std::unordered_set<const Slot*> seen;
+    return needed(o, depth, seen);
+  }
+  bool needed(const std::shared_ptr<Slot>& o, int depth, std::unordered_set<const Slot*>& seen) {
+    if (!seen.insert(o.get()).second) return false;  // (found not needed, or being looked at)
+    if (__atomic_load_n(&o->holders, __ATOMIC_RELAXED) > 0 || depth == 0) return true;
+    if (o.use_count() > 1 + o->recipe_holds.load(std::memory_order_relaxed)) return true;  // (an op, a plan's recipe)
+    auto [a, b] = readers_.equal_range(o.get());
+    std::vector<std::shared_ptr<Recipe>> readers;
+    for (auto it = a; it != b; ++it)
+      if (auto r = it->second.lock()) readers.push_back(std::move(r));
+    for (const auto& r : readers)
+      for (const auto& w : r->outs)
+        if (auto u = w.lock(); u && u != o && !u->real.defined() && u->recipe == r && needed(u, depth - 1, seen))
+          return true;
+    return false;
   }
 
   // After op `e` ran under a plan: its kept values get their recipe, and the values the plan
@@ -527,9 +650,180 @@ class Worker {
         if (it == kept_.end()) continue;
         const auto s = it->second.lock();
         if (!s || !s->recipe || !s->real.defined()) continue;
-        s->real = at::Tensor();
+        drop(*s);
         dropped_.fetch_add(1, std::memory_order_relaxed);
       }
+  }
+
+  // -- the budget's guard: values dropped where the step would go over its cap ----------------
+  // A plan is made for the step described; a step larger than it (a longer sequence) or one
+  // before the plan arrives is held within the budget by this guard instead, on the worker
+  // (after DTR, Kirisame et al. 2021): every value the forward makes (of a storage of 4 KiB or
+  // more, views included) keeps a recipe holding its inputs' slots (weakly those that cannot be
+  // made again, until the value is dropped); a value the program lets go of that only recipes
+  // hold is dropped then (bury), as eager frees it, its slot kept to make it again; before an op
+  // (or a remake) whose outputs, inputs to make again and workspace would take the allocator past
+  // the cap, values are dropped, cheapest to make again per byte and oldest first, values sharing
+  // a storage together, none that would make a chain of dropped values longer than
+  // kLongestChain, until they fit. What is dropped is made again where it is read, as a plan's
+  // drops are; a write to what a recipe reads makes its dropped values first if they may still
+  // be read (needed), else forgets them.
+  static constexpr int64_t kGuardMinBytes = 4096;  // (smaller values are not worth a recipe)
+
+  // After op `e` ran for `ns` under a guard: its values get a recipe; those in storages of
+  // their own may be dropped by make_room.
+  void guard(const TapeEntry& e, int64_t ns) {
+    // (a gradient's recipe would hold the forward's values to the step's end through .grad)
+    if (!e.forward || e.out_slots.empty() || t_remaking > 0 || !remakeable(*e.op)) return;
+    std::shared_ptr<Recipe> recipe;
+    for (const auto& s : e.out_slots) {
+      if (!s || s->recipe || !s->real.defined() || s->id < first_value_ || !s->real.has_storage()) continue;
+      const c10::Storage& st = s->real.storage();
+      if (static_cast<int64_t>(st.nbytes()) < kGuardMinBytes) continue;
+      if (!recipe) {
+        recipe = recipe_of(e);
+        recipe->again = true;
+        for (uint32_t k = 0; k < recipe->entry.slots.size(); ++k)
+          if (auto& in = recipe->entry.slots[k]) {
+            if (in->recipe) {
+              in->recipe_holds.fetch_add(1, std::memory_order_relaxed);
+            } else {
+              recipe->weak.emplace_back(k, std::exchange(in, nullptr));
+            }
+          }
+      }
+      s->recipe = recipe;
+      s->made_ns = ns;
+      guarded_.push_back({s, e.index});  // (a view, too: once its base is dropped, it holds the storage)
+    }
+  }
+
+  // Before op `e`: drop values until what it needs (its new storages, its workspace as measured
+  // before, its dropped inputs made again) fits under the cap.
+  void make_room(const TapeEntry& e) {
+    int64_t need = e.made_bytes;
+    for (const auto& s : e.slots)
+      if (s && !s->real.defined() && s->recipe) need += remaking(*s, kLongestChain).first;
+    make_room(e, need);
+  }
+
+  // Before `e` runs (an op, or a recipe making a value again), making `need` bytes and its workspace.
+  void make_room(const TapeEntry& e, int64_t need) override {
+    if (auto w = workspace_.find(e.op); w != workspace_.end()) need += w->second;
+    evict(need, &e);
+  }
+
+  // What making dropped `s` again takes: (bytes, ns) of it and of its dropped inputs, to `depth`.
+  static std::pair<int64_t, int64_t> remaking(const Slot& s, int depth) {
+    std::pair<int64_t, int64_t> c{s.dropped_bytes, s.made_ns};
+    if (depth > 0 && s.recipe)
+      for (const auto& in : s.recipe->entry.slots)
+        if (in && in.get() != &s && !in->real.defined() && in->recipe) {
+          const auto [b, ns] = remaking(*in, depth - 1);
+          c.first += b;
+          c.second += ns;
+        }
+    return c;
+  }
+  // The longest chain of dropped values (each made from the next) a drop may make: a value
+  // read at its end is made again with the whole chain at once (with no limit, a backward read
+  // the last of twelve dropped layers and held 60% more than eager; 4 left a transformer 1% over
+  // its budget, 6 and 8 held it).
+  static constexpr int kLongestChain = 8;
+
+  // How long the chain of dropped values ending at `s` is, through its recipe's dropped inputs.
+  static int chain_up(const Slot& s, int depth) {
+    int n = 0;
+    if (depth > 0 && s.recipe)
+      for (const auto& in : s.recipe->entry.slots)
+        if (in && in.get() != &s && !in->real.defined() && in->recipe) n = std::max(n, 1 + chain_up(*in, depth - 1));
+    return n;
+  }
+
+  // How long the chain of dropped values made from `s` is, through the recipes that read it.
+  int chain_down(const Slot& s, int depth) {
+    if (depth <= 0) return 0;
+    int n = 0;
+    auto [a, b] = readers_.equal_range(&s);
+    for (auto it = a; it != b; ++it)
+      if (auto r = it->second.lock())
+        for (const auto& w : r->outs)
+          if (auto u = w.lock(); u && u.get() != &s && !u->real.defined() && u->recipe == r)
+            n = std::max(n, 1 + chain_down(*u, depth - 1));
+    return n;
+  }
+  static constexpr int kNeeded = 256;  // (needed(): further, a value counts as needed)
+
+  // Drop values until `need` more bytes fit under the cap, one at a time, the one with the least
+  // time to make again (its dropped inputs' included) per byte and per op since it was made
+  // first; values the program let go of (kept for a recipe) before those it holds. Not `e`'s
+  // inputs (the op about to run).
+  void evict(int64_t need, const TapeEntry* e) {
+    CountingCPUAllocator& bytes = count_cpu_bytes();
+    if (cap_ <= 0 || bytes.live() + need <= cap_) return;
+    const auto uses = [e](const Slot* s) {
+      if (e != nullptr)
+        for (const auto& x : e->slots)
+          if (x.get() == s) return true;
+      return false;
+    };
+    const int64_t now = e != nullptr ? e->index : (guarded_.empty() ? 0 : guarded_.back().at + 1);
+    while (bytes.live() + need > cap_) {
+      // (values sharing a storage, a view and its base, are dropped together: one alone frees
+      // nothing)
+      std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<std::shared_ptr<Slot>, int64_t>>> groups;
+      size_t kept = 0;
+      for (auto& g : guarded_) {
+        auto s = g.slot.lock();
+        if (!s) continue;  // (let go of: forgotten)
+        guarded_[kept++] = g;
+        if (!s->recipe || !s->real.defined() || !s->real.has_storage() || uses(s.get())) continue;
+        if (s->real.use_count() != 1) continue;  // (held elsewhere too: dropping it frees nothing)
+        groups[s->real.storage().unsafeGetStorageImpl()].emplace_back(std::move(s), g.at);
+      }
+      guarded_.resize(kept);
+      double best = 0;
+      const std::vector<std::pair<std::shared_ptr<Slot>, int64_t>>* pick = nullptr;
+      for (const auto& [storage, members] : groups) {
+        if (static_cast<size_t>(members.front().first->real.storage().use_count()) != members.size()) continue;
+        int64_t ns = 0, at = now;
+        bool ok = true;
+        for (const auto& [m, made_at] : members) {
+          if (chain_up(*m, kLongestChain) + 1 + chain_down(*m, kLongestChain) > kLongestChain) ok = false;
+          ns += m->made_ns;
+          for (const auto& in : m->recipe->entry.slots)
+            if (in && !in->real.defined() && in->recipe) ns += remaking(*in, kLongestChain).second;
+          at = std::min(at, made_at);
+        }
+        if (!ok) continue;
+        const auto nb = static_cast<double>(storage->nbytes());
+        const double age = std::max(static_cast<double>(now - at), 0.0) + 1.0;
+        double score = static_cast<double>(ns + 1) / (nb * age);
+        // (one the program holds after the others; the step's thread writes `holders`: a
+        // relaxed read sees it or an older count)
+        for (const auto& [m, made_at] : members)
+          if (__atomic_load_n(&m->holders, __ATOMIC_RELAXED) > 0) score += 1.0;
+        if (pick == nullptr || score < best) {
+          best = score;
+          pick = &members;
+        }
+      }
+      if (pick == nullptr) {
+        overruns_.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      bool armed = true;
+      for (const auto& [m, made_at] : *pick)
+        if (!m->recipe->arm()) {  // (an input it needs was let go of: it stays)
+          m->recipe.reset();
+          armed = false;
+        }
+      if (!armed) continue;
+      for (const auto& [m, made_at] : *pick) {
+        drop(*m);
+        evicted_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
   }
 
   // May this op run again? Not one that draws from a generator (its values would differ) or
@@ -575,6 +869,39 @@ class Worker {
             if (python_holds(t)) held_.push_back(t);
           });
     used_recipes_.clear();
+    // (let go of by the program, held by a recipe: dropped, as eager frees it; so is a value no
+    // placeholder holds, a gradient block's, once no op to run holds it)
+    const auto banish = [this](Slot& s) {
+      if (!s.real.defined()) return;
+      if (s.recipe && s.recipe->arm()) {
+        drop(s);
+        return;
+      }
+      // (it cannot be made again, and only recipes hold it: they are given up, and so is it)
+      unrecipe(&s);
+      if (s.real.has_storage()) unrecipe(s.real.storage().unsafeGetStorageImpl());
+      s.recipe.reset();
+      s.real = at::Tensor();
+    };
+    // (only recipes hold it: `here` references besides, this entry's and the list's)
+    const auto unheld = [](const std::shared_ptr<Slot>& s, long here) {
+      const int32_t recipes = s->recipe_holds.load(std::memory_order_relaxed);
+      return recipes > 0 && __atomic_load_n(&s->holders, __ATOMIC_RELAXED) == 0 && s.use_count() == here + recipes;
+    };
+    for (auto& w : e.banished)
+      if (auto s = w.lock(); s && unheld(s, 1)) banish(*s);
+    e.banished.clear();
+    if (cap_ > 0) {
+      for (const auto& s : e.slots) {
+        if (!s || s->recipe_holds.load(std::memory_order_relaxed) == 0) continue;
+        long here = 0;
+        for (const auto& x : e.slots) here += x == s;
+        if (unheld(s, here)) banish(*s);
+      }
+      for (auto& s : remade_)
+        if (unheld(s, 1 + static_cast<long>(std::count(e.slots.begin(), e.slots.end(), s)))) banish(*s);
+      remade_.clear();
+    }
     for (at::Tensor& t : e.trash)  // (a value Python holds: an op that returned its input, lift_fresh)
       if (python_holds(t)) held_.push_back(std::move(t));
     for (c10::IValue& a : e.args) {
@@ -633,6 +960,7 @@ class Worker {
     at::set_num_threads(threads_);
     at::AutoDispatchBelowADInplaceOrView below;  // the skeleton did the autograd side
     t_used_recipes = &used_recipes_;
+    t_remade = &remade_;
     t_cache_blocks = true;
     for (int64_t taken = 0;; ++taken) {
       await(published_, taken + 1, idle_, &napping_);
@@ -641,8 +969,16 @@ class Worker {
       if (!failed_.load(std::memory_order_acquire)) {
         const auto t0 = std::chrono::steady_clock::now();
         try {
-          if (drops_) guard_writes(e);
-          run_entry(e, log());
+          if (drops_ || cap_ > 0) guard_writes(e);
+          if (cap_ > 0) {
+            make_room(e);
+            run_guarded(e);
+          } else if (StepLog* l = log()) {
+            run_entry(e, l);
+            note_workspace(e, l->ops.back().workspace);  // (for a guard on the steps after)
+          } else {
+            run_entry(e, nullptr);
+          }
           if (drops_ && following_) follow(e);
           busy_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
         } catch (const std::exception& ex) {
@@ -657,6 +993,30 @@ class Worker {
       done_.store(taken + 1, std::memory_order_seq_cst);
       wake_if(draining_);
     }
+  }
+
+  // The most bytes `e`'s kernel allocated and freed again, per op (make_room counts them).
+  void note_workspace(const TapeEntry& e, int64_t ws) {
+    int64_t& known = workspace_[e.op];
+    known = std::max(known, ws);
+  }
+
+  // Run `e` under the guard: its workspace and time measured, its new values guarded.
+  void run_guarded(TapeEntry& e) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StepLog* log = this->log();
+    if (log == nullptr) CountingCPUAllocator::open_window();  // (a described op's is the log's)
+    run_entry(e, log);
+    int64_t ws;
+    if (log == nullptr) {
+      const auto [peak, end] = CountingCPUAllocator::close_window();
+      ws = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
+    } else {
+      ws = log->ops.back().workspace;
+    }
+    note_workspace(e, ws);
+    guard(e, ns_since(t0));
+    evict(0, nullptr);  // (values made again for it, beyond what make_room counted)
   }
 
   // Wait until `want` ops are done, without the GIL if this thread holds it.

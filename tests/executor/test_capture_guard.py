@@ -1,0 +1,146 @@
+"""A memory budget's guard on the native capture (``Capture.guard``, ``native/capture_worker.h``):
+where an op would take the CPU allocator past its cap, the worker drops values it can make again
+and makes them again where they are read. Steps stay bit-equal to eager; a cap that binds is held
+(the peak measured by the counting allocator); a cap that does not bind costs no memory and no
+recomputation."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from executor import native
+from executor.capture import Capture
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="capture runs on the native module")
+
+
+def mlp(seed: int, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Dropout(dropout)) for _ in range(12)]
+    return nn.Sequential(*layers)
+
+
+def train_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss
+
+
+def captured_peaks(model: nn.Module, xs: list[torch.Tensor], cap: int | None) -> tuple[list[int], list[torch.Tensor], Capture]:
+    """Each step's peak above what was live at its start (the allocator's count), with the
+    guard's cap that many bytes above it (None: no guard), and the losses."""
+    cpu = native.wait()
+    capture = Capture()
+    peaks, losses = [], []
+    for x in xs:
+        cpu.reset_cpu_peak()
+        live0 = cpu.cpu_bytes()[0]
+        capture.guard(0 if cap is None else live0 + cap)
+        with capture.step():
+            loss = train_step(model, x)
+        peaks.append(cpu.cpu_bytes()[1] - live0)
+        losses.append(loss)
+    capture.guard(0)
+    return peaks, losses, capture
+
+
+def remade() -> int:
+    """Values made again so far in this process (the count is the process's)."""
+    return Capture().counters.remade
+
+
+def eager_losses(model: nn.Module, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [train_step(model, x) for x in xs]
+
+
+def same_grads(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_a_cap_that_binds_is_held_and_the_step_is_bit_equal() -> None:
+    torch.set_num_threads(1)
+    model, reference = mlp(0), mlp(0)
+    xs = [torch.randn(512, 256, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    free, _, _ = captured_peaks(copy.deepcopy(model), xs, None)
+    cap = free[-1] * 2 // 3
+    remade0 = remade()
+    peaks, losses, capture = captured_peaks(model, xs, cap)
+    print(free, cap, peaks, capture.counters)
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses(reference, xs)))
+    assert same_grads(model, reference)
+    c = capture.counters
+    assert c.evicted > 0 and c.remade > remade0
+    # (the first step meets each op's workspace as it runs it: the later ones are held)
+    assert max(peaks[1:]) <= cap < min(free[1:])
+
+
+def test_a_cap_that_does_not_bind_costs_no_memory_and_no_recomputation() -> None:
+    torch.set_num_threads(1)
+    model = mlp(1)
+    xs = [torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    free, _, _ = captured_peaks(copy.deepcopy(model), xs, None)
+    remade0 = remade()
+    peaks, _, capture = captured_peaks(model, xs, 10 * max(free))
+    assert peaks[1:] == free[1:]  # (what the program lets go of goes when eager frees it)
+    assert capture.counters.evicted == 0 and capture.counters.remade == remade0
+
+
+def test_random_ops_are_not_made_again_and_the_step_is_bit_equal() -> None:
+    """Dropout's values cannot be made again (they would draw anew): the guard drops the others
+    around them, and the masks are eager's."""
+    torch.set_num_threads(1)
+    model, reference = mlp(2, dropout=0.2), mlp(2, dropout=0.2)
+    xs = [torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    free, _, _ = captured_peaks(copy.deepcopy(model), xs, None)
+    torch.manual_seed(7)
+    _, losses, capture = captured_peaks(model, xs, free[-1] * 3 // 4)
+    torch.manual_seed(7)
+    assert all(torch.equal(a, b) for a, b in zip(losses, eager_losses(reference, xs)))
+    assert same_grads(model, reference)
+    assert capture.counters.evicted > 0
+
+
+def test_a_value_written_in_place_after_its_drop_is_made_from_its_inputs_before_the_write() -> None:
+    """An input of a dropped value changed in place (an optimizer's update of a weight, here
+    before the backward reads the value) makes the value first, from the weight as it was."""
+    torch.set_num_threads(1)
+    torch.manual_seed(3)
+    w0 = torch.randn(256, 256) / 16
+    x = torch.randn(512, 256)
+
+    def step(w: torch.Tensor) -> torch.Tensor:
+        hs, h = [], x
+        for _ in range(8):
+            h = torch.tanh(h @ w)
+            hs.append(h)
+        loss = h.square().mean()
+        (g,) = torch.autograd.grad(loss, w, retain_graph=True)
+        with torch.no_grad():
+            w.mul_(0.5)  # (every dropped tanh's recipe reads w)
+        return loss + hs[3].sum() + g.sum()
+
+    w_eager = w0.clone().requires_grad_()
+    expected = step(w_eager)
+    cpu = native.wait()
+    capture = Capture()
+    w = w0.clone().requires_grad_()
+    for cap in (None, 1):  # (a first step meets the ops; the second is held to 1 MB)
+        cpu.reset_cpu_peak()
+        live0 = cpu.cpu_bytes()[0]
+        capture.guard(0 if cap is None else live0 + 1_000_000)
+        w.data.copy_(w0)
+        with capture.step():
+            got = step(w)
+    capture.guard(0)
+    assert capture.counters.evicted > 0
+    assert torch.equal(got, expected) and torch.equal(w.detach(), w_eager.detach())
+
+
+def test_a_negative_cap_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="a guard's cap is a byte count"):
+        Capture().guard(-1)
