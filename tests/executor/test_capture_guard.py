@@ -18,6 +18,16 @@ from executor.capture import Capture
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="capture runs on the native module")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread (the peaks compared are then the same from run to run), restored
+    after: later tests compare eager with captures made at the process's count."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def mlp(seed: int, dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(seed)
     layers = [nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Dropout(dropout)) for _ in range(12)]
@@ -63,7 +73,6 @@ def same_grads(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_a_cap_that_binds_is_held_and_the_step_is_bit_equal() -> None:
-    torch.set_num_threads(1)
     model, reference = mlp(0), mlp(0)
     xs = [torch.randn(512, 256, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     free, _, _ = captured_peaks(copy.deepcopy(model), xs, None)
@@ -80,7 +89,6 @@ def test_a_cap_that_binds_is_held_and_the_step_is_bit_equal() -> None:
 
 
 def test_a_cap_that_does_not_bind_costs_no_memory_and_no_recomputation() -> None:
-    torch.set_num_threads(1)
     model = mlp(1)
     xs = [torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     free, _, _ = captured_peaks(copy.deepcopy(model), xs, None)
@@ -93,7 +101,6 @@ def test_a_cap_that_does_not_bind_costs_no_memory_and_no_recomputation() -> None
 def test_random_ops_are_not_made_again_and_the_step_is_bit_equal() -> None:
     """Dropout's values cannot be made again (they would draw anew): the guard drops the others
     around them, and the masks are eager's."""
-    torch.set_num_threads(1)
     model, reference = mlp(2, dropout=0.2), mlp(2, dropout=0.2)
     xs = [torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     free, _, _ = captured_peaks(copy.deepcopy(model), xs, None)
@@ -108,7 +115,6 @@ def test_random_ops_are_not_made_again_and_the_step_is_bit_equal() -> None:
 def test_a_value_written_in_place_after_its_drop_is_made_from_its_inputs_before_the_write() -> None:
     """An input of a dropped value changed in place (an optimizer's update of a weight, here
     before the backward reads the value) makes the value first, from the weight as it was."""
-    torch.set_num_threads(1)
     torch.manual_seed(3)
     w0 = torch.randn(256, 256) / 16
     x = torch.randn(512, 256)
