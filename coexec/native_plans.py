@@ -14,7 +14,9 @@ the plan in use is that of the largest step described. From the step after the f
 one, the capture's guard (``Capture.guard``, ``native/capture_worker.h``) holds every step within
 the budget (less the state the described step found: the allocator counts the step's own bytes)
 where the plan does not: before the plan arrives, and on a step larger than the one planned, by
-dropping values on the worker where an op would go over and making them again where read. A budget no plan can meet raises
+dropping values on the worker where an op would go over and making them again where read (a
+larger step's plan that cannot meet the budget leaves the plan in use in place, with a warning:
+the guard holds such steps). A budget no plan can meet raises
 :class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs. A step that
 ran ops at once because they were new at their line and could not be answered without running
 them (a shape that follows data) is not described: where sizes change at every step none is,
@@ -118,6 +120,7 @@ class NativeBudget:
         self.described_at = -REPLAN_EVERY
         self.unfollowed = 0
         self.outgrown = False  # a step that followed the plan held more than it planned (sizes grew)
+        self.larger_unplannable = False  # a larger step's plan could not meet the budget (the guard holds it)
         self.describing = False
         self.plans = 0  # plans taken into use
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
@@ -186,7 +189,8 @@ class NativeBudget:
             stats.over_budget_steps += 1
         if self.plan is not None and capture.followed and not self.describing:
             # (it grew past the plan: the next step is described, a plan for larger sizes may be due)
-            self.outgrown = self.outgrown or stats.peak_bytes > self.plan.planned_peak * OUTGROWN
+            grew = stats.peak_bytes > self.plan.planned_peak * OUTGROWN
+            self.outgrown = self.outgrown or (grew and not self.larger_unplannable)
 
     def _persistent(self) -> int | None:
         """The bytes of the state a step holds besides its own (parameters, optimizer state,
@@ -226,6 +230,20 @@ class NativeBudget:
                 return f"memory plan for a smaller step than plan {self.plans}'s left unused"
             self.plan = plan
         except BudgetTooSmall as e:
+            if self.plan is not None:
+                # (a step larger than the planned one: the plan in use stays, the guard holds
+                # the larger steps where it can; they are not described again)
+                self.larger_unplannable = True
+                warnings.warn(
+                    f"coexec: the memory budget {format_bytes(self.budget)} of the step at {self.where} "
+                    f"cannot be met by a plan at the sizes of a step larger than the one planned (the "
+                    f"planner's smallest for it: {format_bytes(e.smallest)}); the plan in use stays, and "
+                    "the capture's guard holds such steps within the budget where it can "
+                    "(tape.stats.over_budget_steps counts those it could not)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+                return f"no plan for a larger step within {format_bytes(self.budget)}: plan {self.plans} stays"
             self.error = BudgetTooSmall(
                 e.budget, e.smallest, "this step has not run (the steps before it ran unplanned while it was planned)"
             )

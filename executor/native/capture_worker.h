@@ -543,7 +543,7 @@ class Worker final : public RoomMaker {
   };
   int64_t cap_ = 0;
   std::vector<Guarded> guarded_;
-  std::unordered_map<const c10::OperatorHandle*, int64_t> workspace_;
+  std::unordered_map<uint64_t, int64_t> workspace_;  // by op and place (workspace_key)
   std::atomic<int64_t> evicted_{0}, overruns_{0};
   bool describing_ = false;
   StepLog log_;
@@ -709,7 +709,7 @@ class Worker final : public RoomMaker {
 
   // Before `e` runs (an op, or a recipe making a value again), making `need` bytes and its workspace.
   void make_room(const TapeEntry& e, int64_t need) override {
-    if (auto w = workspace_.find(e.op); w != workspace_.end()) need += w->second;
+    if (auto w = workspace_.find(workspace_key(e)); w != workspace_.end()) need += w->second;
     evict(need, &e);
   }
 
@@ -995,9 +995,14 @@ class Worker final : public RoomMaker {
     }
   }
 
-  // The most bytes `e`'s kernel allocated and freed again, per op (make_room counts them).
+  // An op at its place in the step (a matmul's workspace differs from one call to another).
+  static uint64_t workspace_key(const TapeEntry& e) {
+    return reinterpret_cast<uintptr_t>(e.op) ^ (static_cast<uint64_t>(e.index) * 0x9E3779B97F4A7C15ull);
+  }
+
+  // The most bytes `e`'s kernel allocated and freed again, per op and place (make_room counts them).
   void note_workspace(const TapeEntry& e, int64_t ws) {
-    int64_t& known = workspace_[e.op];
+    int64_t& known = workspace_[workspace_key(e)];
     known = std::max(known, ws);
   }
 
