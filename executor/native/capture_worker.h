@@ -727,8 +727,8 @@ class Worker final : public RoomMaker {
   }
   // The longest chain of dropped values (each made from the next) a drop may make: a value
   // read at its end is made again with the whole chain at once (with no limit, a backward read
-  // the last of twelve dropped layers and held 60% more than eager; 4 left a transformer 1% over
-  // its budget, 6 and 8 held it).
+  // the last of twelve dropped layers and held 60% more than eager; 4 and 6 left a transformer
+  // 1-5% over its budget, 8 held it: bench/dynamic_budget.py's length 128).
   static constexpr int kLongestChain = 8;
 
   // How long the chain of dropped values ending at `s` is, through its recipe's dropped inputs.
