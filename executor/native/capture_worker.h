@@ -595,14 +595,27 @@ class Worker final : public RoomMaker {
             if (needed(o, kNeeded)) {
               value_of(*o);
             } else {
-              o->recipe.reset();
-              unrecipe(o.get());
+              forget(*o);
               continue;
             }
           }
           o->recipe.reset();
         }
     for (auto& r : hit) used_recipes_.push_back(std::move(r));  // (let go of in bury)
+  }
+
+  // Does something hold `s` besides the guard's recipes and `here` references: a placeholder
+  // (the step's thread writes `holders`: a relaxed read sees it or an older count), an op to
+  // run, a plan's recipe?
+  static bool held_beside_recipes(const std::shared_ptr<Slot>& s, long here) {
+    return __atomic_load_n(&s->holders, __ATOMIC_RELAXED) > 0 ||
+           s.use_count() > here + s->recipe_holds.load(std::memory_order_relaxed);
+  }
+
+  // `s` can no longer be made again: nor can the values whose recipes read it (unrecipe).
+  void forget(Slot& s) {
+    s.recipe.reset();
+    unrecipe(&s);
   }
 
   // May dropped `o` be read: does the program hold it, an op to run, or the recipe of a dropped
@@ -613,8 +626,7 @@ class Worker final : public RoomMaker {
   }
   bool needed(const std::shared_ptr<Slot>& o, int depth, std::unordered_set<const Slot*>& seen) {
     if (!seen.insert(o.get()).second) return false;  // (found not needed, or being looked at)
-    if (__atomic_load_n(&o->holders, __ATOMIC_RELAXED) > 0 || depth == 0) return true;
-    if (o.use_count() > 1 + o->recipe_holds.load(std::memory_order_relaxed)) return true;  // (an op, a plan's recipe)
+    if (depth == 0 || held_beside_recipes(o, 1)) return true;
     auto [a, b] = readers_.equal_range(o.get());
     std::vector<std::shared_ptr<Recipe>> readers;
     for (auto it = a; it != b; ++it)
@@ -703,7 +715,7 @@ class Worker final : public RoomMaker {
   void make_room(const TapeEntry& e) {
     int64_t need = e.made_bytes;
     for (const auto& s : e.slots)
-      if (s && !s->real.defined() && s->recipe) need += remaking(*s, kLongestChain).first;
+      if (s && !s->real.defined() && s->recipe) need += remaking(*s, kLongestChain).bytes;
     make_room(e, need);
   }
 
@@ -713,15 +725,21 @@ class Worker final : public RoomMaker {
     evict(need, &e);
   }
 
-  // What making dropped `s` again takes: (bytes, ns) of it and of its dropped inputs, to `depth`.
-  static std::pair<int64_t, int64_t> remaking(const Slot& s, int depth) {
-    std::pair<int64_t, int64_t> c{s.dropped_bytes, s.made_ns};
+  // What making `s` again takes (once dropped): the bytes and time of it and of its dropped
+  // inputs, to `depth`, and how long the chain of dropped values ending at it is.
+  struct Remake {
+    int64_t bytes = 0, ns = 0;
+    int chain = 0;
+  };
+  static Remake remaking(const Slot& s, int depth) {
+    Remake c{s.dropped_bytes, s.made_ns, 0};
     if (depth > 0 && s.recipe)
       for (const auto& in : s.recipe->entry.slots)
         if (in && in.get() != &s && !in->real.defined() && in->recipe) {
-          const auto [b, ns] = remaking(*in, depth - 1);
-          c.first += b;
-          c.second += ns;
+          const Remake r = remaking(*in, depth - 1);
+          c.bytes += r.bytes;
+          c.ns += r.ns;
+          c.chain = std::max(c.chain, 1 + r.chain);
         }
     return c;
   }
@@ -730,15 +748,6 @@ class Worker final : public RoomMaker {
   // the last of twelve dropped layers and held 60% more than eager; 4 and 6 left a transformer
   // 1-5% over its budget, 8 held it: bench/dynamic_budget.py's length 128).
   static constexpr int kLongestChain = 8;
-
-  // How long the chain of dropped values ending at `s` is, through its recipe's dropped inputs.
-  static int chain_up(const Slot& s, int depth) {
-    int n = 0;
-    if (depth > 0 && s.recipe)
-      for (const auto& in : s.recipe->entry.slots)
-        if (in && in.get() != &s && !in->real.defined() && in->recipe) n = std::max(n, 1 + chain_up(*in, depth - 1));
-    return n;
-  }
 
   // How long the chain of dropped values made from `s` is, through the recipes that read it.
   int chain_down(const Slot& s, int depth) {
@@ -789,18 +798,16 @@ class Worker final : public RoomMaker {
         int64_t ns = 0, at = now;
         bool ok = true;
         for (const auto& [m, made_at] : members) {
-          if (chain_up(*m, kLongestChain) + 1 + chain_down(*m, kLongestChain) > kLongestChain) ok = false;
-          ns += m->made_ns;
-          for (const auto& in : m->recipe->entry.slots)
-            if (in && !in->real.defined() && in->recipe) ns += remaking(*in, kLongestChain).second;
+          const Remake r = remaking(*m, kLongestChain);
+          if (r.chain + 1 + chain_down(*m, kLongestChain) > kLongestChain) ok = false;
+          ns += r.ns;
           at = std::min(at, made_at);
         }
         if (!ok) continue;
         const auto nb = static_cast<double>(storage->nbytes());
         const double age = std::max(static_cast<double>(now - at), 0.0) + 1.0;
         double score = static_cast<double>(ns + 1) / (nb * age);
-        // (one the program holds after the others; the step's thread writes `holders`: a
-        // relaxed read sees it or an older count)
+        // (one the program holds after those it let go of; a relaxed read of `holders`, as above)
         for (const auto& [m, made_at] : members)
           if (__atomic_load_n(&m->holders, __ATOMIC_RELAXED) > 0) score += 1.0;
         if (pick == nullptr || score < best) {
@@ -877,16 +884,12 @@ class Worker final : public RoomMaker {
         drop(s);
         return;
       }
-      // (it cannot be made again, and only recipes hold it: they are given up, and so is it)
-      unrecipe(&s);
-      if (s.real.has_storage()) unrecipe(s.real.storage().unsafeGetStorageImpl());
-      s.recipe.reset();
+      forget(s);  // (it cannot be made again, and only recipes hold it: they are given up, and so is it)
       s.real = at::Tensor();
     };
     // (only recipes hold it: `here` references besides, this entry's and the list's)
     const auto unheld = [](const std::shared_ptr<Slot>& s, long here) {
-      const int32_t recipes = s->recipe_holds.load(std::memory_order_relaxed);
-      return recipes > 0 && __atomic_load_n(&s->holders, __ATOMIC_RELAXED) == 0 && s.use_count() == here + recipes;
+      return s->recipe_holds.load(std::memory_order_relaxed) > 0 && !held_beside_recipes(s, here);
     };
     for (auto& w : e.banished)
       if (auto s = w.lock(); s && unheld(s, 1)) banish(*s);

@@ -229,6 +229,16 @@ class _FakeCpu:
         return 0, self.peak
 
 
+def _fake_step(b, capture: _FakeCapture, cpu: _FakeCpu, held: int):
+    """A step of NativeBudget ``b`` on the fakes that held ``held`` bytes: its stats."""
+    b.before(capture, cpu)
+    cpu.peak = held
+    stats = types.SimpleNamespace(peak_bytes=0, planned_peak_bytes=None, recomputed_ops=0,
+                                  recompute_seconds=0.0, over_budget_steps=0)  # fmt: skip
+    b.after(capture, cpu, stats)
+    return stats
+
+
 def _plan(eager_peak: int, planned_peak: int):
     from coexec.native_budget import NativeBudgetPlan
     from executor.step_plans import DropPlan
@@ -257,12 +267,7 @@ def test_the_plan_in_use_is_the_largest_steps_described(monkeypatch) -> None:
     capture, cpu = _FakeCapture(), _FakeCpu()
 
     def step(held: int):
-        b.before(capture, cpu)
-        cpu.peak = held
-        stats = types.SimpleNamespace(peak_bytes=0, planned_peak_bytes=None, recomputed_ops=0,
-                                      recompute_seconds=0.0, over_budget_steps=0)  # fmt: skip
-        b.after(capture, cpu, stats)
-        return stats
+        return _fake_step(b, capture, cpu, held)
 
     for _ in range(native_plans.WARM_UP + 1):  # (the third step is described)
         assert capture.cap in (None, 0)  # (no guard before a step is described)
@@ -362,12 +367,7 @@ def test_a_larger_steps_plan_that_cannot_meet_the_budget_leaves_the_plan_in_use(
     capture, cpu = _FakeCapture(), _FakeCpu()
 
     def step(held: int):
-        b.before(capture, cpu)
-        cpu.peak = held
-        stats = types.SimpleNamespace(peak_bytes=0, planned_peak_bytes=None, recomputed_ops=0,
-                                      recompute_seconds=0.0, over_budget_steps=0)  # fmt: skip
-        b.after(capture, cpu, stats)
-        return stats
+        return _fake_step(b, capture, cpu, held)
 
     for _ in range(native_plans.WARM_UP + 1):
         step(140)
