@@ -133,7 +133,10 @@ class Mirrors:
             self._settle()
         self.ready = None
         fed = self._fed
-        if (fed is None or node.id in fed) and _mirrorable(self._nodes, node, rec.key.func):
+        if (
+            (fed is None or node.id in fed) and _mirrorable(self._nodes, node, rec.key.func)
+            and (not node.sized or all(map(_tiny, rec.key.metas)))  # (its sizes as first seen were)
+        ):  # fmt: skip
             values = self.values
             for vid in rec.inputs:
                 if vid not in values and self._external(vid) is None:

@@ -444,6 +444,9 @@ class Skeleton(Recorder):
 
         base, first, n_ret = session.base, len(self.trace.values), node.n_returned
         data_dependent = "py" in node.out_struct or schema_of(func).dynamic_shape
+        check = node.sized and not data_dependent and node.inferred is not True
+        if check and any(a is not None for a in node.out_alias):
+            node.inferred, check = True, False  # a view: C++ meta kernels (view, as_strided) say
         plan = _returns(func)
         struct = node.out_struct  # per return: 1, None (undefined), n (list length), "py"
         # the flattened outputs as the recorder numbers them (value ids first, first+1, ...):
@@ -470,7 +473,7 @@ class Skeleton(Recorder):
         grad_mode = torch.is_grad_enabled()
         position = self._issue(
             rec, node, func, ins_args, ins_kwargs, refs,
-            tuple((base + x._vid, new) for x, new in moves), data_dependent, clean, grad_mode,
+            tuple((base + x._vid, new) for x, new in moves), data_dependent or check, clean, grad_mode,
         )  # fmt: skip
         if self.backwards.capturing:
             self.backwards.log(rec, func, args, kwargs, moves, refs, base, grad_mode)
@@ -482,7 +485,11 @@ class Skeleton(Recorder):
             session.wait(position)
             return session.executor.take_result(rec.index), None
 
-        metas = node.out_metas
+        if check:
+            session.wait(position)
+            metas = self._check_inferred(node, func, args, kwargs, session.executor.take_result(rec.index))
+        else:
+            metas = self.cursor.out_metas(node)
         made = [
             x if x is not None else session.new_placeholder(metas[j], first + j, position)
             for j, x in enumerate(slots[:n_ret])
@@ -647,6 +654,8 @@ class Skeleton(Recorder):
     def _plan_arena_out(self, func: Any, node: Any, its: tuple, n_ret: int) -> tuple | None:
         if n_ret == 0 or len(node.out_struct) != n_ret or any(a is not None for a in node.out_alias[:n_ret]):
             return None
+        if node.sized:  # (the arena places sizes as planned; this step's may be larger)
+            return None
         ov = out_variant(func)
         if ov is None:
             return None
@@ -660,6 +669,19 @@ class Skeleton(Recorder):
             shape, stride = tuple(meta.shape), tuple(meta.stride)
             outs.append((offset, shape, stride, meta.dtype, span_bytes(shape, stride, meta.dtype)))
         return (ov[0], ov[1], tuple(outs))
+
+    def _check_inferred(self, node: Any, func: Any, args: tuple, kwargs: dict, result: Any) -> tuple:
+        """A sized node's outputs were worked out on the meta device (``output_metas``): the
+        first time, the op's real ``result`` (waited for) says whether its meta kernel is right
+        (``mkldnn_rnn_layer``'s says its workspace is empty). Where it is not, the node's
+        results are waited for from now on, so Python never sees a wrong size. Its outputs'
+        metadata, from the result."""
+        inferred = self.cursor.metas
+        real = tuple(TensorMeta.of(x) for x in flat_outputs(func, args, kwargs, result))
+        node.inferred = inferred is not None and len(real) == len(inferred) and all(
+            a.shape == b.shape and a.stride == b.stride and a.dtype == b.dtype for a, b in zip(real, inferred)
+        )
+        return real
 
     def output_metas(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:
         """The metadata of the op's outputs, flattened as the recorder numbers them (returned
@@ -680,6 +702,8 @@ class Skeleton(Recorder):
         try:
             m_args = [meta(a) for a in args]
             m_kwargs = {k: meta(v) for k, v in kwargs.items()}
+            if "device" in m_kwargs:  # a factory: made there too, not allocated
+                m_kwargs["device"] = torch.device("meta")
             with torch.no_grad():
                 out = func(*m_args, **m_kwargs)
         except Exception:  # noqa: BLE001  (no meta kernel, an argument it cannot take: unknown)

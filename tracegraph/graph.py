@@ -17,6 +17,10 @@ previous iteration, or from before the loop) is an ``ENTER`` source, so iteratio
 Values that vary between steps become fed inputs instead of new branches (DESIGN.md §3): a
 numeric argument that differs while the output metadata stays the same is *promoted* on the
 node (matched as a wildcard from then on), and likewise the output index of a source.
+Tensor sizes that vary are the same: an op whose key and outputs differ from a node's only in
+sizes and strides (same ops, ranks, dtypes, devices, layouts) makes the node *sized* (its sizes
+are bound per step, like fed numbers), decided from the first two distinct sizes. A sized node's
+outputs are the op's own at each step: recorded, or worked out without running it (``infer``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class Node:
     __slots__ = (
         "id", "kind", "region", "key", "sources", "promoted", "out_metas", "body", "trips",
         "visits", "fetches", "enter_sources", "label", "out_alias", "n_returned", "out_struct",
-        "match_cache",
+        "match_cache", "sized", "inferred",
     )  # fmt: skip
 
     def __init__(self, nid: int, kind: str, region: "Region", key: Any = None) -> None:
@@ -60,7 +64,11 @@ class Node:
         self.key = key  # OpKey (op), LoopKey (loop), label (hand-built)
         self.sources: tuple[tuple[Source, ...], ...] = ()  # per input: its alternatives
         self.promoted: frozenset[int] = frozenset()  # attribute positions that are fed
-        self.out_metas: tuple[TensorMeta, ...] = ()
+        self.out_metas: tuple[TensorMeta, ...] = ()  # as first seen (sized: not this step's)
+        self.sized = False  # tensor sizes and strides vary: matched without them, bound per step
+        # did outputs worked out without running the op (``infer``) match what it made? None:
+        # not yet checked against a run (the user of ``infer`` checks it and sets this)
+        self.inferred: bool | None = None
         self.out_alias: tuple[int | None, ...] = ()  # per output: input whose storage it shares
         self.n_returned = 0  # outputs the op returns (the rest are arguments it writes)
         self.out_struct: tuple = ()  # the shape of the op's result (see OpRecord.out_struct)
@@ -146,16 +154,33 @@ class Region:
                 yield from n.body.walk()
 
 
-def _index_key(key: OpKey) -> OpKey:
-    """The op key with every promotable argument erased: finds nodes that differ only there."""
+_UNKNOWN = object()
+_BOUND_MAX = 1 << 14
+
+
+def _index_key(key: OpKey) -> tuple:
+    """The op key with every promotable argument erased and its tensors' sizes and strides
+    left out: finds nodes that differ only there (fed numbers, sizes)."""
+    attrs = key.attrs
     prom = schema_of(key.func).promotable
-    if not prom:
-        return key
-    attrs = list(key.attrs)
-    for p in prom:
-        if is_number_like(attrs[p]):
-            attrs[p] = FED
-    return key.with_attrs(tuple(attrs))
+    if prom:
+        attrs = list(attrs)
+        for p in prom:
+            if is_number_like(attrs[p]):
+                attrs[p] = FED
+        attrs = tuple(attrs)
+    return (key.func, attrs, tuple(map(sizeless, key.metas)), key.loc)
+
+
+def sizeless(meta: TensorMeta) -> tuple:
+    """What of a tensor's metadata a sized node keeps: all but its sizes and strides (their
+    number, the rank, stays)."""
+    return (len(meta.shape), meta.dtype, meta.device, meta.layout, meta.stride is None, meta.requires_grad, meta.bits)
+
+
+def same_but_sizes(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...]) -> bool:
+    """Do two tensors' metadata (one per tensor) differ at most in sizes and strides?"""
+    return len(a) == len(b) and all(x is y or sizeless(x) == sizeless(y) for x, y in zip(a, b))
 
 
 class TraceGraph:
@@ -174,6 +199,7 @@ class TraceGraph:
         self._by_id: dict[int, Node] = {}
         self.root = Region(self)
         self.traces = 0  # traces merged
+        self.bound: dict[tuple, tuple | None] = {}  # (sized node id, op key) -> its outputs' metadata
 
     def _new_node(self, kind: str, region: Region, key: Any = None) -> Node:
         node = Node(self._next_id, kind, region, key)
@@ -370,6 +396,7 @@ class Cursor:
         self._first_id = graph._next_id
         self.tracker = LoopTracker(trace.outside_loops)
         self.frames = [_Frame(graph.root, (), None, 0)]
+        self.metas: tuple | None = None  # the outputs of the sized node matched last (out_metas)
 
     # -- feeding --------------------------------------------------------------------------
     def op(self, rec: OpRecord, infer: Callable[[], tuple | None] | None = None) -> Node:
@@ -474,7 +501,7 @@ class Cursor:
         children = region.succ[cur]
         for child in children:
             if child.kind == OP and self.same(child, rec.key, srcs, ctx) and self.sizes_hold(child, rec, infer):
-                if not self.mutate and not child.promoted and all(len(a) == 1 for a in child.sources):
+                if not self.mutate and not child.promoted and not child.sized and all(len(a) == 1 for a in child.sources):
                     cur.match_cache[cache_key] = child
                 return self.visit(child, rec, ctx)
         if not self.mutate:
@@ -563,8 +590,15 @@ class Cursor:
             for p in node.promoted:
                 attrs[p] = node.key.attrs[p]
             key = key.with_attrs(tuple(attrs))
-        if node.key != key or len(node.sources) != len(srcs):
+        if len(node.sources) != len(srcs):
             return False
+        if node.key != key:
+            mine = node.key
+            if not (
+                node.sized and mine.func == key.func and mine.attrs == key.attrs and mine.loc == key.loc
+                and same_but_sizes(mine.metas, key.metas)
+            ):  # fmt: skip
+                return False
         return all(self.resolves(alts, s, ctx) for alts, s in zip(node.sources, srcs))
 
     def sizes_hold(self, node: Node, rec: OpRecord, infer: Callable[[], tuple | None] | None) -> bool:
@@ -573,6 +607,8 @@ class Cursor:
         number of an op without tensor inputs): the slice of an epoch's shorter last chunk
         differs from the others only in its end. A recorded op's outputs are in its trace;
         else ``infer`` says (without it, or if it cannot tell, the op does not match)."""
+        if node.sized:
+            return self._bind_sizes(node, rec, infer)
         if not node.promoted or not node.out_metas:
             return True
         kinds = schema_of(rec.key.func).kinds
@@ -590,6 +626,37 @@ class Cursor:
         return all(
             a.shape == b.shape and a.stride == b.stride and a.dtype == b.dtype for a, b in zip(got, node.out_metas)
         )
+
+    def _bind_sizes(self, node: Node, rec: OpRecord, infer: Callable[[], tuple | None] | None) -> bool:
+        """A sized node's outputs at this step (:attr:`metas`): recorded, or worked out by
+        ``infer``; the op matches if they differ from the node's at most in sizes. An op whose
+        output sizes come from its data (``nonzero``) is waited for: whatever it makes."""
+        if rec.outputs:
+            values = self.t.values
+            got: tuple | None = tuple(values[v].meta for v in rec.outputs)
+        elif schema_of(rec.key.func).dynamic_shape or "py" in node.out_struct:
+            self.metas = None
+            return True
+        else:
+            cache = self.g.bound
+            got = cache.get((node.id, rec.key), _UNKNOWN)  # (the same op and sizes: the same outputs)
+            if got is _UNKNOWN:
+                got = infer() if infer is not None else None
+                if got is not None and len(got) == len(node.out_metas):  # (on the meta device, no grad)
+                    got = tuple(
+                        m._replace(device=n.device, requires_grad=n.requires_grad) for m, n in zip(got, node.out_metas)
+                    )
+                if len(cache) >= _BOUND_MAX:
+                    cache.clear()
+                cache[(node.id, rec.key)] = got
+        if got is None or not same_but_sizes(got, node.out_metas):
+            return False
+        self.metas = got
+        return True
+
+    def out_metas(self, node: Node) -> tuple:
+        """The metadata of the outputs of ``node``, just matched, at this step."""
+        return self.metas if node.sized else node.out_metas
 
     def can_add(self, node: Node, alts: tuple, src: Source, ctx: Ctx) -> bool:
         """May ``src`` join an input's alternatives? The rule must pick it on this trace, and
@@ -651,12 +718,16 @@ class Cursor:
     ) -> bool:
         """Match ``node`` by making it more general: numeric arguments that differ become fed
         (``promote``), a source's output index becomes any output, or a new producer joins an
-        input's alternatives. Allowed only where the outputs keep their metadata, so nothing
-        downstream changes."""
-        if node.out_metas != out_metas or _index_key(node.key) != _index_key(key):
+        input's alternatives, or tensor sizes that differ make the node sized. Allowed only
+        where the outputs keep their metadata but for sizes (ops downstream see other sizes,
+        and are sized in turn)."""
+        if _index_key(node.key) != _index_key(key) or len(node.sources) != len(srcs):
             return False
-        if len(node.sources) != len(srcs):
+        sized = node.sized or node.key.metas != key.metas or node.out_metas != out_metas
+        if sized and not same_but_sizes(node.out_metas, out_metas):
             return False
+        if sized and not node.sized and node.id in self.last:
+            return False  # other sizes in one step (a loop over parameters): other tensors, not a size that varies
         promoted = set(node.promoted)
         for p in schema_of(key.func).promotable:
             a, b = node.key.attrs[p], key.attrs[p]
@@ -677,15 +748,16 @@ class Cursor:
                 new_sources[i] = alts + (s,)
             else:
                 return False
-        old = (node.promoted, node.sources)
+        old = (node.promoted, node.sources, node.sized)
         node.promoted = frozenset(promoted)
         node.sources = tuple(new_sources)
+        node.sized = sized
         self.changed = True
         for pred in node.region.pred[node]:  # their cached matches may skip the new rule
             pred.match_cache.clear()
 
         def undo() -> None:
-            node.promoted, node.sources = old
+            node.promoted, node.sources, node.sized = old
 
         self._undo.append(undo)
         return True

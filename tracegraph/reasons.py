@@ -236,7 +236,8 @@ def _phrase(
         tail = f"the graph has {_and([_show(t) for t in theirs])}"
         if is_number_like(d.mine) and is_number_like(d.theirs):
             if _is_size(cursor, rec, node, arg.name):
-                return FallbackReason(SHAPE, head + tail + " (a size that varies)", where)
+                ranks = {len(t) for t in theirs} != {len(d.mine)}  # (hashable forms: tuples)
+                return FallbackReason(SHAPE, head + tail + f" (a {'rank' if ranks else 'size'} that varies)", where)
             return FallbackReason(SCALAR, head + tail + " (a Python scalar that varies)", where)
         return FallbackReason(ARGUMENT, head + tail + " (an argument that varies)", where)
     if d.kind == "meta":
@@ -249,7 +250,8 @@ def _phrase(
         mine = _show_meta(d.field, d.mine)
         tail = f"the graph has {_and([_show_meta(d.field, t) for t in theirs])}"
         if d.field == "shape":
-            msg = f"{what} has shape {mine}, {tail} (a size that varies)"
+            ranks = {len(t) for t in theirs} != {len(d.mine)}
+            msg = f"{what} has shape {mine}, {tail} (a {'rank' if ranks else 'size'} that varies)"
             return FallbackReason(SHAPE, msg, where)
         return FallbackReason(
             TENSOR, f"{what} has {d.field} {mine}, {tail} (a tensor property that varies)", where
