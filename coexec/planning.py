@@ -48,6 +48,7 @@ class PlanRequest:
     offload: bool | None
     arena: bool
     bandwidth: Any = None  # planner.Bandwidth when offloading (None: measured here)
+    steps: tuple[int, ...] = ()  # per path: the step its trace came from (TapeStats.planned_for_step)
 
 
 @dataclass(frozen=True)

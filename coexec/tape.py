@@ -92,6 +92,9 @@ class TapeStats:
     # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
     run_ahead: RunAhead = RunAhead()
     planned_path: int | None = None  # which planned path it took (tape.report()'s row), if one
+    # the step whose trace that path's plan was made from: the sizes it covers (a step of the
+    # path that allocates more, where sizes vary, is planned again: _check_plan)
+    planned_for_step: int | None = None
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
     recompute_seconds: float = 0.0  # their time (native backend: the plan expected its extra_seconds)
     offloaded_storages: int = 0  # storages parked on the host in the latest step
@@ -99,7 +102,7 @@ class TapeStats:
     # the latest co-executed step from entry to its end (drained), and the plan's prediction
     step_seconds: float = 0.0
     planned_step_seconds: float | None = None
-    over_budget_steps: int = 0  # co-executed steps over the budget (paths not yet planned)
+    over_budget_steps: int = 0  # co-executed steps over the budget (paths not yet planned, larger steps)
     # plans are made in the background (coexec/planning.py): the observed paths the plan in
     # use has seen, and the time steps spent asking for plans, taking them, or waiting for one
     # (only under a memory budget)
@@ -124,6 +127,14 @@ class Program:
         self.stats = TapeStats()
         self.capped = False
         self.paths: list[PathInput] = []  # the observed paths, as the planner takes them
+        self.path_steps: list[int] = []  # per path: the step its trace came from
+        self.plan_steps: tuple[int, ...] = ()  # per path of the plan in use: the step it covers
+        self.needed = 0  # the number of the plan request a budgeted step waits for (plan_current)
+        self.plan_paths: tuple[PathInput, ...] = ()  # the paths of the plan in use
+        # plans asked for because a path's step allocated more (grow_path): steps do not wait
+        # for them, and one that cannot meet the budget leaves the plan in use
+        self.grow_requests: set[int] = set()
+        self.unplannable: dict[int, int] = {}  # path -> bytes of a step no plan met the budget for
         self.schedule: Schedule | None = None  # the plan in use (None: unplanned, issue order)
         self.arena: torch.Tensor | None = None  # its arena, allocated whole
         self.block_index: BlockIndex | None = None  # its blocks, for the skeleton (coexec/blocks.py)
@@ -144,17 +155,32 @@ class Program:
         self.reasons: list[tuple[int, FallbackReason]] = []  # the latest REASONS, with steps
 
     # -- plans (made in the background: coexec/planning.py) ------------------------------
-    def add_path(self, trace: Any, path_sites: tuple) -> None:
-        """A path observed: its trace, the site of each op, and which ops can write into the
-        arena (probed now, on the step's thread)."""
+    def add_path(self, trace: Any, path_sites: tuple, step: int) -> None:
+        """A path observed at ``step``: its trace, the site of each op, and which ops can write
+        into the arena (probed now, on the step's thread)."""
         self.paths.append(PathInput(trace, path_sites, writable_ops(trace)))
+        self.path_steps.append(step)
 
-    def request_plan(self, budget: int | None, offload: bool | None, arena: bool) -> str | None:
+    def grow_path(self, path: int, trace: Any, step: int) -> bool:
+        """A covered step of planned ``path`` at other sizes: if it allocates more than the
+        trace the path was planned from, it replaces that trace (plans are made for the
+        largest sizes seen, which cover the smaller ones). Did it?"""
+        old, size = self.paths[path], _allocated_bytes(trace)
+        if size <= _allocated_bytes(old.trace) or size >= self.unplannable.get(path, size + 1):
+            return False
+        self.paths[path] = PathInput(trace, old.sites, writable_ops(trace))
+        self.path_steps[path] = step
+        return True
+
+    def request_plan(
+        self, budget: int | None, offload: bool | None, arena: bool, grown: bool = False
+    ) -> str | None:
         """Ask for plans over every observed path: to the budget if there is one, with
         ``offload`` (park storages on the host too; None: when the step runs on a GPU), and
         the arena if ``arena`` (under a budget the budget plan places it, on a CPU). Plans of
         other settings stop counting at once; plans of the same settings are used until the
-        new ones arrive (:meth:`collect`). Returns a line for the debug log."""
+        new ones arrive (:meth:`collect`). ``grown``: asked for because a planned path's step
+        allocated more (no step waits for it). Returns a line for the debug log."""
         settings = (budget, offload, arena)
         if settings != (self.budget, self.offload, self.use_arena):
             self.budget, self.offload, self.use_arena = settings
@@ -162,9 +188,13 @@ class Program:
             self.stats.planned_paths = 0
             self._use_schedule(None)
         self.requested += 1
+        if grown and self.plan_current:
+            self.grow_requests.add(self.requested)
+        else:
+            self.needed = self.requested
         if self.latest is not None:
             self.latest.cancel()  # still queued: never made (its paths are in this request)
-        req = PlanRequest(self.requested, tuple(self.paths), *settings)
+        req = PlanRequest(self.requested, tuple(self.paths), *settings, steps=tuple(self.path_steps))
         if not self.paths or (budget is None and not arena):
             self.latest = None
             self._install(PlanResult(req))
@@ -190,8 +220,9 @@ class Program:
 
     @property
     def plan_current(self) -> bool:
-        """Do the plans in use cover every observed path, with the latest settings?"""
-        return self.installed == self.requested
+        """Do the plans in use cover every observed path, with the latest settings? (A plan
+        asked for because a path's step was larger need not have arrived.)"""
+        return self.installed >= self.needed
 
     def collect(self, wait: bool) -> list[str]:
         """Use the newest plan that has arrived (between steps, on the step's thread); with
@@ -223,7 +254,10 @@ class Program:
         """Use ``result``'s plans from the next step on; a plan that failed is said, never
         used: without a budget the steps run without an arena, under one they cannot run."""
         req = result.request
+        if result.budget_error is not None and req.number in self.grow_requests:
+            return self._keep_smaller_plan(result)
         self.installed, self.stats.planned_paths = req.number, len(req.paths)
+        self.plan_steps, self.plan_paths = req.steps, req.paths
         self.plan_pid = result.pid
         self.budget_error = result.budget_error
         self.plan_failure = None
@@ -254,6 +288,25 @@ class Program:
             line += f": {BudgetTooSmall(*result.budget_error)}"
         return line
 
+    def _keep_smaller_plan(self, result: PlanResult) -> str:
+        """A plan asked for because a path's step allocated more cannot meet the budget: the
+        plan in use stays (steps that large go over the budget, and are counted), the paths
+        go back to the traces it was made from, and steps as large ask for no plan again."""
+        grown = [i for i, p in enumerate(result.request.paths) if i < len(self.plan_paths) and p is not self.plan_paths[i]]
+        for i in grown:
+            self.unplannable[i] = min(self.unplannable.get(i, 1 << 62), _allocated_bytes(result.request.paths[i].trace))
+            if self.paths[i] is result.request.paths[i]:
+                self.paths[i], self.path_steps[i] = self.plan_paths[i], self.plan_steps[i]
+        error = BudgetTooSmall(*result.budget_error)
+        warnings.warn(
+            f"coexec: a step at {self.where} allocated more than the steps its plan was made for "
+            f"(sizes that vary), and no plan for its sizes meets the memory budget ({error}); "
+            "the plan in use stays, and steps that large go over the budget",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return f"the plan for larger steps cannot meet the budget: {error}"
+
     def release(self) -> None:
         """Dropped (coexec.programs): let go of the graph, the plans and the arena, and of
         plans still being made (they never attach). The statistics stay, for a tape that ran
@@ -263,7 +316,7 @@ class Program:
             f.cancel()
         self.futures, self.latest = [], None
         self.graph = TraceGraph()
-        self.paths = []
+        self.paths, self.path_steps, self.plan_steps, self.plan_paths = [], [], (), ()
         self.schedule, self.arena, self.block_index = None, None, None
         self.params = {}
 
@@ -580,13 +633,13 @@ class GradientTape:
             return [_report_row(0, len(plan.drops.ops), plan.eager_peak, plan.planned_peak, plan.predicted_seconds, plan.recomputed)]
         if program is None or not program.paths:
             return []
-        schedule = program.schedule
+        schedule, steps = program.schedule, program.plan_steps
         if schedule is None or len(schedule.paths) != len(program.paths):
-            schedule = plan_program(program.paths)
+            schedule, steps = plan_program(program.paths), tuple(program.path_steps)
         return [
             _report_row(
                 i, p.ops, p.eager_peak, p.planned_peak, p.predicted_seconds, p.recomputed, p.offloaded,
-                schedule.arena_bytes, p.arena_end, schedule.fragmentation, p.blocks,
+                schedule.arena_bytes, p.arena_end, schedule.fragmentation, p.blocks, steps[i],
             )
             for i, p in enumerate(schedule.paths)
         ]  # fmt: skip
@@ -665,11 +718,13 @@ class _ProgramSkeleton(Skeleton):
 def _report_row(
     path: int, ops: int, eager_peak: int, planned_peak: int, predicted_seconds: float, recomputed: int,
     offloaded: int = 0, arena: int | None = None, arena_used: int | None = None,
-    fragmentation: float | None = None, blocks: int | None = None,
+    fragmentation: float | None = None, blocks: int | None = None, step: int | None = None,
 ) -> dict:
-    """One path's row of ``report()`` (the native backend's has no arena and no blocks)."""
+    """One path's row of ``report()`` (the native backend's has no arena, no blocks, and no
+    step: ``planned for step``, the step whose sizes the path was planned for)."""
     return {
         "path": path,
+        "planned for step": step,
         "ops": ops,
         "eager peak": eager_peak,
         "planned peak": planned_peak,
@@ -951,18 +1006,26 @@ class _Step:
     def _check_plan(self, sk: Skeleton) -> None:
         """A covered step may still take a path no plan has seen (a loop running more
         iterations than any traced step), or make tensors of other sizes than the traced
-        steps did (data-dependent shapes): under a budget, say so if it went over; plan a new
-        path."""
+        steps did (sizes that vary, data-dependent shapes): under a budget, say so if it went
+        over; plan a new path, or a path again for a step that allocated more than the one it
+        was planned for (in the background: no step waits for that plan)."""
         program, stats = self.program, self.program.stats
         signature = self.signature
         planned = signature in self.session.schedule.signatures
+        path = self.session.schedule.signatures.get(signature)
+        larger = path is not None and _allocated_bytes(sk.trace) > _allocated_bytes(program.paths[path].trace)
+        grew = larger and program.grow_path(path, sk.trace, stats.steps - 1)
         if program.budget is not None and stats.peak_bytes > program.budget:
             stats.over_budget_steps += 1
-            why = (
-                "took a path no plan had seen yet (it is planned now)"
-                if not planned
-                else "made tensors of other sizes than its traced steps (data-dependent shapes)"
-            )
+            if not planned:
+                why = "took a path no plan had seen yet (it is planned now)"
+            elif larger:
+                why = (
+                    f"allocated more than step {program.plan_steps[path]}, which its plan was made for "
+                    "(sizes that vary): " + ("it is planned again for these sizes" if grew else "no plan for steps this large meets the budget")
+                )
+            else:
+                why = "made tensors of other sizes than its traced steps (data-dependent shapes)"
             warnings.warn(
                 f"coexec: a step at {program.where} used {stats.peak_bytes} bytes, over its "
                 f"memory budget of {program.budget}: it {why}",
@@ -970,8 +1033,9 @@ class _Step:
                 stacklevel=4,
             )
         if not planned:
-            program.add_path(sk.trace, signature)
-            self._log(program.request_plan(program.budget, program.offload, program.use_arena))
+            program.add_path(sk.trace, signature, stats.steps - 1)
+        if not planned or grew:
+            self._log(program.request_plan(program.budget, program.offload, program.use_arena, grown=planned))
 
     @functools.cached_property
     def signature(self) -> tuple:
@@ -1006,6 +1070,7 @@ class _Step:
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
         plan = session.schedule.paths[path] if path is not None else None
         stats.planned_path = path
+        stats.planned_for_step = self.program.plan_steps[path] if path is not None else None
         stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
         stats.planned_step_seconds = plan.predicted_seconds if plan is not None else None
         runtime.unescape(leaves, optimizers)
@@ -1030,7 +1095,7 @@ class _Step:
         stats.traces += added
         tape = self.tape
         if added:
-            program.add_path(trace, sites(merged.places))
+            program.add_path(trace, sites(merged.places), stats.steps - 1)
         if stats.phase == "tracing" and not added:
             stats.phase = "coexec"
             self._log(f"trace covered after {stats.traces} traces: co-executing from now on")
@@ -1059,6 +1124,11 @@ class _Step:
 def _log(program: Program, msg: str) -> None:
     n = f" program {program.index}" if program.index > 1 else ""
     print(f"coexec [{program.where}{n}]: {msg}", file=sys.stderr)
+
+
+def _allocated_bytes(trace: Any) -> int:
+    """Bytes of every storage a step's trace holds (what grows with its sizes)."""
+    return sum(trace.storage_bytes.values())
 
 
 def _persistent_bytes(trace: Any) -> int:
