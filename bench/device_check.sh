@@ -7,9 +7,10 @@
 # OR-Tools for the planner, are installed to /tmp/site), builds the native engine, checks that a
 # small co-executed CUDA step is bit-equal to eager, runs bench/cuda_gradient_blocks.py
 # (gradient blocks replayed on CUDA against eager, also under CUDA_LAUNCH_BLOCKING=1 and on the
-# Python executor), then bench/zoo_steps.py on cuda for each batch size, with deterministic
-# cuDNN/cuBLAS kernels (else eager itself is not bit-equal run to run). Logs and tables go to
-# $OUT (or bench/out).
+# Python executor), bench/sized_steps.py (sizes drawn per step; its budget run needs OR-Tools,
+# protobuf and immutabledict in .whl/), then bench/zoo_steps.py on cuda for each batch size,
+# with deterministic cuDNN/cuBLAS kernels (else eager itself is not bit-equal run to run). Logs
+# and tables go to $OUT (or bench/out).
 set -uo pipefail
 BATCHES=${1:-16}
 PAIRS=${2:-10}
@@ -55,6 +56,8 @@ echo "== gradient blocks on cuda, mlp with a node hook (no block; the hook runs 
 $PY bench/cuda_gradient_blocks.py --device cuda --steps 6 --node-hook 2>&1 | tail -3
 echo "== gradient blocks on cuda, gpt2-6l"
 $PY bench/cuda_gradient_blocks.py --device cuda --steps 5 --model gpt2-6l 2>&1 | tail -7
+echo "== sizes drawn per step on cuda (interpret backend: sized graph nodes, issue 17)"
+$PY bench/sized_steps.py --device cuda --steps 40 2>&1 | grep -v "Warning\|^  " | tee "$OUT/sized_steps_cuda.log"
 echo "probes done: $(( $(date +%s) - t0 )) s"
 for b in $BATCHES; do
   $PY bench/zoo_steps.py --device cuda --batch "$b" --pairs "$PAIRS" --deterministic --out "$OUT" > "$OUT/zoo_cuda_b$b.log" 2>&1

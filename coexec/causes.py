@@ -20,8 +20,9 @@ _GROUP = {
     "argument": "control flow",
 }
 ADVICE = {
-    "sizes": "sizes that vary: pad or bucket the inputs to a few shapes, or use a fixed batch "
-    "size (DataLoader(..., drop_last=True))",
+    "sizes": "sizes that vary in ways one graph does not follow (a tensor's rank, the length of a "
+    "list of tensors): pad or bucket the inputs to a few shapes, or use a fixed batch size "
+    "(DataLoader(..., drop_last=True))",
     "scalars": "Python scalars that vary: pass them as 0-d tensors (e.g. the learning rate as "
     "torch.tensor(lr)) or keep them constant",
     "tensors": "inputs whose dtype, device or requires_grad vary: give the step inputs of one kind",

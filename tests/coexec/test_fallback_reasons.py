@@ -97,7 +97,8 @@ def branch_step(w: torch.Tensor, i: int) -> torch.Tensor:
 
 
 SIZES = (
-    "sizes that vary: pad or bucket the inputs to a few shapes, or use a fixed batch size "
+    "sizes that vary in ways one graph does not follow (a tensor's rank, the length of a list of "
+    "tensors): pad or bucket the inputs to a few shapes, or use a fixed batch size "
     "(DataLoader(..., drop_last=True)) (2 of the latest 2 reasons)"
 )
 SCALARS = (
