@@ -182,3 +182,15 @@ def _parameter_new(cls: type, data: Any = None, requires_grad: bool = True) -> t
 
 
 torch.nn.Parameter.__new__ = staticmethod(_parameter_new)
+
+
+# Code that picks a path by a tensor's exact type (``clip_grad_norm_``'s foreach norms, the
+# optimizers' foreach default) takes the path eager takes for a placeholder too, as torch does
+# for its DTensor: else a co-executed step took the per-tensor loop where its traced steps took
+# ``_foreach_norm``, another path (one more trace for every program that clips gradients).
+from torch.optim.optimizer import _foreach_supported_types as _OPTIM_FOREACH  # noqa: E402
+from torch.utils._foreach_utils import _foreach_supported_types as _UTILS_FOREACH  # noqa: E402
+
+for _types in (_UTILS_FOREACH, _OPTIM_FOREACH):
+    if Placeholder not in _types:
+        _types.append(Placeholder)

@@ -70,6 +70,7 @@ class CodeTable:
         self._plumbing: frozenset[str] | None = None
         self._tries: dict[int, tuple[tuple[int, int], ...]] = {}
         self._catches: dict[tuple[Location, int], bool] = {}
+        self._calls: dict[int, dict[int, int]] = {}  # code id -> PRECALL offset -> its CALL's
 
     def code_id(self, code: types.CodeType) -> int:
         cid = self._by_addr.get(id(code))
@@ -89,6 +90,9 @@ class CodeTable:
         self._codes.append(code)  # keep it alive so id(code) stays unique
         if cid != _SKIP:
             self._codes[cid] = code
+            calls = _precalls(code)
+            if calls:
+                self._calls[cid] = calls
         self._by_addr[id(code)] = cid
         return cid
 
@@ -98,7 +102,7 @@ class CodeTable:
     def capture(self, frame: types.FrameType | None, base: types.FrameType | None) -> Location:
         """The location of ``frame``: its stack up to and including ``base``, outermost first."""
         out: list[Frame] = []
-        by_addr = self._by_addr
+        by_addr, calls = self._by_addr, self._calls
         f = frame
         while f is not None:
             code = f.f_code
@@ -106,7 +110,11 @@ class CodeTable:
             if cid is None:
                 cid = self._register(code)
             if cid:
-                out.append((cid, f.f_lasti))
+                off = f.f_lasti
+                canon = calls.get(cid)
+                if canon is not None:
+                    off = canon.get(off, off)
+                out.append((cid, off))
             if f is base:
                 break
             f = f.f_back
@@ -219,6 +227,24 @@ class CodeTable:
         if any(f[0] == BWD for f in loc):
             desc = "grad of " + desc
         return desc
+
+
+def _precalls(code: types.CodeType) -> dict[int, int]:
+    """Python 3.11 calls in two instructions, ``PRECALL`` then ``CALL``, and once the
+    interpreter has specialised a call to a builtin type (``tuple(generator)``) the
+    ``PRECALL`` makes the call itself: a frame called there stands at the ``PRECALL`` where
+    before it stood at the ``CALL``, so the same line's location changed after a few steps (a
+    new loop, a new trace). Each ``PRECALL``'s offset, mapped to its ``CALL``'s."""
+    if sys.version_info[:2] != (3, 11):
+        return {}
+    out, pending = {}, None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "PRECALL":
+            pending = ins.offset
+        elif ins.opname == "CALL" and pending is not None:
+            out[pending] = ins.offset
+            pending = None
+    return out
 
 
 def _catching_ranges(code: types.CodeType) -> tuple[tuple[int, int], ...]:

@@ -381,3 +381,34 @@ def test_a_gru_over_a_packed_sequence_runs_as_eager(pad):
         assert "_pad_packed_sequence fills the tensors it makes in C++" in tape.stats.fallback_reasons[-1]
     else:
         assert tape.stats.coexec_steps >= 3 and tape.stats.fallbacks == 0
+
+
+def _clip_state() -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 6, generator=g), torch.randn(16, 1, generator=g)) for _ in range(3)]
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "data": data}
+
+
+def _clip_step(state: dict, i: int) -> torch.Tensor:
+    model, opt = state["model"], state["opt"]
+    x, y = state["data"][i % 3]
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    opt.step()
+    return loss
+
+
+def test_gradient_clipping_takes_the_path_eager_takes():
+    """``clip_grad_norm_`` picks ``_foreach_norm`` by the gradients' exact type: placeholders
+    count as tensors there (coexec/placeholder.py), so a co-executed step takes the traced
+    steps' path (before: the per-tensor loop, a fallback and one more trace)."""
+    from tests.coexec.helpers import assert_same_as_eager
+
+    tape = assert_same_as_eager(_clip_state, _clip_step, 8)
+    s = tape.stats
+    assert (s.traces, s.fallbacks, s.coexec_steps) == (1, 0, 6), s
+    assert any(n.name == "aten::_foreach_norm.Scalar" for n in tape.graph.nodes())
