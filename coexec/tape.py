@@ -1020,17 +1020,15 @@ class _Step:
             if not planned:
                 why = "took a path no plan had seen yet (it is planned now)"
             elif larger:
-                why = (
-                    f"allocated more than step {program.plan_steps[path]}, which its plan was made for "
-                    "(sizes that vary): " + ("it is planned again for these sizes" if grew else "no plan for steps this large meets the budget")
-                )
+                then = "it is planned again for these sizes" if grew else "no plan for steps this large meets the budget"
+                why = f"allocated more than step {program.plan_steps[path]}, which its plan was made for (sizes that vary): {then}"
             else:
                 why = "made tensors of other sizes than its traced steps (data-dependent shapes)"
-            warnings.warn(
+            warnings.warn_explicit(  # (at the user's ``with`` line, as max_traces' warning)
                 f"coexec: a step at {program.where} used {stats.peak_bytes} bytes, over its "
                 f"memory budget of {program.budget}: it {why}",
                 RuntimeWarning,
-                stacklevel=4,
+                *self.with_line,
             )
         if not planned:
             program.add_path(sk.trace, signature, stats.steps - 1)

@@ -67,6 +67,8 @@ def budgeted(budget: int) -> tuple:
         warnings.simplefilter("always")
         tape = assert_same_as_eager(deep_state, mlp_step, len(LENGTHS), memory_budget=budget)
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    over = [w for w in caught if "over its memory budget" in str(w.message)]
+    assert all(w.filename.endswith("helpers.py") for w in over)  # (the ``with`` line: tests/coexec/helpers.py)
     return tape, [x[x.index("used"):] if "used" in x else x[x.index(");") + 2 :] for x in said]
 
 
