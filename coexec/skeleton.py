@@ -38,6 +38,7 @@ from executor import (
     Wait,
     span_bytes,
 )  # fmt: skip
+from executor import native
 from planner import Block, Schedule, Site, StorageKey
 from planner import Drop as PlannedDrop
 from planner import Offload as PlannedOffload
@@ -62,6 +63,28 @@ _UNKNOWN = object()
 _session_ids = itertools.count(1)
 _VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
 
+
+
+_STRUCTURED: dict[Any, bool] = {}  # op -> has a structured kernel's meta function (native module)
+
+
+def _on_meta(func: Any, args: list, kwargs: dict) -> Any:
+    """``func`` on meta tensors: through the native module's table of structured kernels' C++
+    meta functions where the op has one (1-2 us; executor/structured_meta.py), else through the
+    dispatcher's Meta key, where torch registers Python meta kernels (50-500 us per op)."""
+    mod = native.ready()
+    if mod is not None and _STRUCTURED.get(func, True):
+        sch = func._schema
+        try:
+            out = mod.structured_meta(sch.name, sch.overload_name, tuple(args), kwargs)
+        except (RuntimeError, TypeError):  # an argument the schema takes only from Python (a float as a Tensor)
+            out = None
+        else:
+            _STRUCTURED[func] = out is not None
+        if out is not None:
+            return out
+    with torch.no_grad():
+        return func(*args, **kwargs)
 
 class Session:
     """A step's link to the executor: its placeholders and where their values come from.
@@ -704,8 +727,7 @@ class Skeleton(Recorder):
             m_kwargs = {k: meta(v) for k, v in kwargs.items()}
             if "device" in m_kwargs:  # a factory: made there too, not allocated
                 m_kwargs["device"] = torch.device("meta")
-            with torch.no_grad():
-                out = func(*m_args, **m_kwargs)
+            out = _on_meta(func, m_args, m_kwargs)
         except Exception:  # noqa: BLE001  (no meta kernel, an argument it cannot take: unknown)
             return None
         finally:

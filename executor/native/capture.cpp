@@ -38,6 +38,7 @@
 #include <ATen/SavedTensorHooks.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <c10/util/intrusive_ptr.h>
 #include <Python.h>
 #include <frameobject.h>
@@ -1350,6 +1351,20 @@ void bind_capture(py::module_& m) {
     return d;
   });
   m.def("empty_cpu_block_cache", [] { count_cpu_bytes().cache().empty(); });
+  // (coexec/skeleton.py, Skeleton.output_metas) a structured kernel's C++ meta function on meta
+  // tensors: what the op makes, without the Python meta kernel torch registers over it (which
+  // takes 50-500 us); None where the op has none (the caller asks the Meta key instead)
+  m.def("structured_meta", [](const std::string& name, const std::string& overload, py::tuple args,
+                              py::dict kw) -> py::object {
+    const auto kwargs = py::reinterpret_borrow<py::kwargs>(kw);
+    const auto& table = structured_meta();
+    const auto it = table.find(c10::OperatorName(name, overload));
+    if (it == table.end()) return py::none();
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+    torch::jit::Stack stack = torch::jit::createStackForSchema(op.schema(), args, kwargs, std::nullopt);
+    it->second.callBoxed(op, c10::DispatchKeySet(c10::DispatchKey::Meta), &stack);
+    return torch::jit::createPyObjectForStack(std::move(stack));
+  });
 }
 
 }  // namespace coexec

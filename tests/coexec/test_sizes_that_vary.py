@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -146,3 +147,50 @@ def test_a_rank_that_varies_is_another_path():
     s = tape.stats
     assert s.traces == 3 and s.phase == "coexec", s
     assert s.fallback_reasons[-1].endswith("was [2, 2, 2, 6], the graph has [2, 6] and [2, 2, 6] (a rank that varies)")
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.float32, t: bool = False) -> torch.Tensor:
+    x = torch.empty(*shape, dtype=dtype, device="meta")
+    return x.t() if t else x
+
+
+META_CASES = [
+    (torch.ops.aten.add.Tensor, (_meta(4, 7, 3), _meta(1, 7, 1)), {}),
+    (torch.ops.aten.add.Tensor, (_meta(5, 3, dtype=torch.int64), _meta(3)), {"alpha": 2}),
+    (torch.ops.aten.mul.Tensor, (_meta(8, 5, t=True), _meta(8, 5, t=True)), {}),
+    (torch.ops.aten.addmm.default, (_meta(6), _meta(4, 3), _meta(3, 6)), {}),
+    (torch.ops.aten.mm.default, (_meta(4, 3), _meta(3, 6, t=False)), {}),
+    (torch.ops.aten.sum.dim_IntList, (_meta(4, 7, 3), [1]), {"keepdim": True}),
+    (torch.ops.aten.mean.dim, (_meta(4, 7, 3), [0, 2]), {}),
+    (torch.ops.aten._softmax.default, (_meta(2, 9), -1, False), {}),
+    (torch.ops.aten.gelu.default, (_meta(3, 4),), {"approximate": "tanh"}),
+    (torch.ops.aten.cat.default, ([_meta(2, 3), _meta(5, 3)],), {}),
+    (torch.ops.aten.add_.Tensor, (_meta(4, 3), _meta(3)), {}),
+]
+
+
+@pytest.mark.parametrize("func, args, kwargs", META_CASES, ids=[str(c[0]) for c in META_CASES])
+def test_structured_meta_functions_answer_as_the_meta_key(func, args, kwargs):
+    """The skeleton works out a sized op's outputs through the native module's C++ meta
+    functions of structured kernels (coexec/skeleton.py ``_on_meta``): the same sizes, strides
+    and dtypes as torch's own Meta key."""
+    from coexec.skeleton import _STRUCTURED, _on_meta
+    from executor import native
+
+    if native.wait() is None:
+        pytest.skip("the native module is not built")
+    got = _on_meta(func, list(args), dict(kwargs))
+    want = func(*args, **kwargs)
+    assert _STRUCTURED[func] is True  # (answered by the C++ meta function, not the Meta key)
+    for g, w in zip(*(x if isinstance(x, (list, tuple)) else [x] for x in (got, want))):
+        assert (g.shape, g.stride(), g.dtype, g.device) == (w.shape, w.stride(), w.dtype, w.device)
+
+
+def test_an_argument_only_python_converts_takes_the_meta_key():
+    """A call template fills a number where the schema has a Tensor (``x + 0.5``): the C++
+    call refuses it, and the Meta key answers (it wraps the number, as eager does)."""
+    from coexec.skeleton import _on_meta
+
+    x = _meta(5, 12)
+    got = _on_meta(torch.ops.aten.add.Tensor, [x, 0.5], {})
+    assert (got.shape, got.dtype) == ((5, 12), torch.float32)
