@@ -1,7 +1,7 @@
 """Sizes drawn per step on the interpret backend, on any device (issue 17; a GPU question too,
 since the interpret backend is the one a GPU machine runs):
 
-    python bench/sized_steps.py [--device cuda] [--steps 40] [--models mlp,transformer,detection]
+    python bench/sized_steps.py [--device cuda] [--steps 40] [--models mlp,transformer,detection] [--planning]
 
 Each model is built twice from one seed, an eager copy and a ``GradientTape(backend=
 "interpret")`` copy, and stepped in turn on the same data: a batch drawn per step in [16, 256]
@@ -13,7 +13,10 @@ losses and final parameters are bit-equal, and the median step time against eage
 the first three steps (each step synchronized). Then the transformer under a memory budget of
 ``--fraction`` of its largest unbudgeted peak (or the planner's floor for the first planned
 step, where that is higher): steps over it, the largest peak over it, and which step's sizes
-the plan in use covered at the end. Deterministic kernels on CUDA (else
+the plan in use covered at the end. With ``--planning``: the transformer with ``arena=True``
+(plans asked for from its first traces on, a path planned again when a step allocates more),
+lengths drawn per step against every length 128: plans made and the planner's seconds
+(issue 17 asks for at most 2x). Deterministic kernels on CUDA (else
 eager itself is not bit-equal run to run).
 """
 
@@ -41,9 +44,9 @@ class Model:
     """A model, its optimizer, and ``step(i)`` returning the loss; inputs drawn by step index
     from a seeded generator, so both copies see the same data."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, fixed: int | None = None) -> None:
         torch.manual_seed(0)
-        self.name, self.device = name, device
+        self.name, self.device, self.fixed = name, device, fixed
         if name == "mlp":
             self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 1)).to(device)
             self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-3)
@@ -74,7 +77,7 @@ class Model:
             x, y = torch.randn(n, 32, generator=g).to(dev), torch.randn(n, 1, generator=g).to(dev)
             loss = F.mse_loss(self.net(x), y)
         elif self.name == "transformer":
-            length = rng.randint(16, 128)
+            length = rng.randint(16, 128) if self.fixed is None else self.fixed
             ends = torch.tensor([rng.randint(length // 2, length) for _ in range(4)], device=dev)
             pad = torch.arange(length + 1, device=dev)[None, :] >= ends[:, None]
             tokens = self.corpus[:, : length + 1].masked_fill(pad, 0)
@@ -99,9 +102,13 @@ def timed(fn, device: torch.device) -> tuple[float, float]:
     return time.perf_counter() - t, float(loss)
 
 
-def run(name: str, device: torch.device, steps: int, budget: int | None = None) -> dict:
-    eager, co = Model(name, device), Model(name, device)
-    tape = coexec.GradientTape(backend="interpret", memory_budget=budget, key=("sized_steps", name, budget))
+def run(
+    name: str, device: torch.device, steps: int, budget: int | None = None, arena: bool = False, fixed: int | None = None
+) -> dict:
+    eager, co = Model(name, device, fixed), Model(name, device, fixed)
+    tape = coexec.GradientTape(
+        backend="interpret", memory_budget=budget, arena=arena, key=("sized_steps", name, budget, arena, fixed)
+    )
     te, tc, le, lc, peaks = [], [], [], [], []
 
     def step_co(i: int) -> torch.Tensor:
@@ -132,7 +139,7 @@ def run(name: str, device: torch.device, steps: int, budget: int | None = None) 
         "bit-equal": same,
         "coexec/eager (median after 3)": round(statistics.median(tc[3:]) / statistics.median(te[3:]), 2),
         "peaks": peaks, "over budget steps": s.over_budget_steps, "planned for step": s.planned_for_step,
-        "phase": s.phase,
+        "phase": s.phase, "plans made": s.plans_made, "planning s": s.planning_seconds,
     }  # fmt: skip
 
 
@@ -142,6 +149,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--models", default="mlp,transformer,detection")
     ap.add_argument("--fraction", type=float, default=0.9, help="the transformer's budget: this of its largest peak")
+    ap.add_argument("--planning", action="store_true", help="also the transformer's planning time with an arena, lengths drawn against fixed")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -170,6 +178,14 @@ def main() -> None:
             f"budget, largest peak / budget {max(row['peaks']) / budget:.2f}, bit-equal {row['bit-equal']}, plan in use "
             f"made for step {row['planned for step']}, {row['traces']} traces"
         )
+    if "transformer" in largest and args.planning:
+        # planning over the run with plans asked for (an arena): lengths drawn per step, whose
+        # larger steps are planned again, against every step at the largest length
+        rows = {what: run("transformer", device, args.steps, arena=True, fixed=fixed)
+                for what, fixed in (("drawn", None), ("fixed 128", 128))}  # fmt: skip
+        print("\n| transformer, arena | traces | plans made | planning s | bit-equal |\n|---|---|---|---|---|")
+        for what, row in rows.items():
+            print(f"| {what} | {row['traces']} | {row['plans made']} | {row['planning s']:.2f} | {row['bit-equal']} |")
 
 
 if __name__ == "__main__":

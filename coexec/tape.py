@@ -112,6 +112,10 @@ class TapeStats:
     # new paths for the planning process (on the step's thread, as it asks) and sending
     # requests and reading plans (on the planner thread, beside the steps)
     plan_local_seconds: float = 0.0
+    # plans made (also those never used) and the planner's wall time on them, in the planning
+    # process or here (issue 17 compares it between sizes that vary and fixed ones)
+    plans_made: int = 0
+    planning_seconds: float = 0.0
 
 
 class Program:
@@ -216,7 +220,10 @@ class Program:
     def _count_local_seconds(self, done: Future) -> None:
         # on the planner thread, as each plan is made (also those never used)
         if not done.cancelled() and done.exception() is None:
-            self.stats.plan_local_seconds += done.result().local_seconds
+            result = done.result()
+            self.stats.plan_local_seconds += result.local_seconds
+            self.stats.plans_made += 1
+            self.stats.planning_seconds += result.seconds
 
     @property
     def plan_current(self) -> bool:
@@ -1007,14 +1014,16 @@ class _Step:
         """A covered step may still take a path no plan has seen (a loop running more
         iterations than any traced step), or make tensors of other sizes than the traced
         steps did (sizes that vary, data-dependent shapes): under a budget, say so if it went
-        over; plan a new path, or a path again for a step that allocated more than the one it
-        was planned for (in the background: no step waits for that plan)."""
+        over; plan a new path, or, under a budget, a path again for a step that allocated more
+        than the one it was planned for (in the background: no step waits for that plan)."""
         program, stats = self.program, self.program.stats
         signature = self.signature
         planned = signature in self.session.schedule.signatures
         path = self.session.schedule.signatures.get(signature)
         larger = path is not None and _allocated_bytes(sk.trace) > _allocated_bytes(program.paths[path].trace)
-        grew = larger and program.grow_path(path, sk.trace, stats.steps - 1)
+        # (only a budget's decisions change with sizes: the arena leaves sized ops' outputs to
+        # the allocator, so an arena alone gains nothing from a plan for larger steps)
+        grew = larger and program.budget is not None and program.grow_path(path, sk.trace, stats.steps - 1)
         if program.budget is not None and stats.peak_bytes > program.budget:
             stats.over_budget_steps += 1
             if not planned:

@@ -59,6 +59,8 @@ def test_under_an_arena_sized_ops_are_bit_equal():
     allocator."""
     tape = assert_same_as_eager(deep_state, mlp_step, len(LENGTHS), arena=True)
     assert tape.stats.coexec_steps == len(LENGTHS) - 3
+    # one plan per trace: larger steps ask for none (the arena would not place their sized ops)
+    assert tape.stats.plans_made == 2 and tape.stats.planning_seconds > 0
 
 
 def budgeted(budget: int) -> tuple:
@@ -83,6 +85,7 @@ def test_a_step_larger_than_the_planned_one_is_planned_again_in_the_background()
                     "which its plan was made for (sizes that vary): it is planned again for these sizes"]  # fmt: skip
     s = tape.stats
     assert s.over_budget_steps == 1 and s.coexec_steps == len(LENGTHS) - 3, s
+    assert s.plans_made == 4  # the two traces', then steps 4 and 10's (each the largest yet)
     # the last step (of 5 rows x 16) ran on the plan made for step 10 (12 x 16, the largest)
     assert s.planned_for_step == 10 and s.recomputed_ops > 0, s
     assert [row["planned for step"] for row in tape.report()] == [0, 10]
