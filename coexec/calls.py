@@ -369,9 +369,11 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
     )  # fmt: skip
     for x, new in moves:
         session.retarget(x, new - base, position)
-    # as for any op the skeleton issues: the graph's; a sized node's at this call's sizes, which
-    # the template's are where its numbers are (the signature holds the tensors' sizes)
-    out_metas = node.out_metas if not node.sized else t.out_metas if fed_same else sk.cursor.out_metas(node)
+    # as for any op the skeleton issues: the graph's, or a sized node's at this call's sizes:
+    # the template's where its numbers are (the signature holds the tensors' sizes)
+    out_metas = node.out_metas
+    if node.sized:
+        out_metas = t.out_metas if fed_same else sk.cursor.metas
     out_bytes = t.out_bytes if out_metas == t.out_metas else tuple(_bytes(m) for m in out_metas)
     sk.append_op(rec, out_metas, out_bytes)
     if sk.mirrors is not None and sk.mirrors.ready is rec:

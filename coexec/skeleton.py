@@ -44,6 +44,7 @@ from planner import Drop as PlannedDrop
 from planner import Offload as PlannedOffload
 from planner import Prefetch as PlannedPrefetch
 from tracegraph import Cursor, NotCovered, OpRecord, Recorder, TraceGraph
+from tracegraph.graph import same_sizes
 from tracegraph.location import CODES
 from tracegraph.reasons import OTHER, FallbackReason
 from tracegraph.recorder import flat_outputs
@@ -62,8 +63,6 @@ from .tracking import tracker
 _UNKNOWN = object()
 _session_ids = itertools.count(1)
 _VID_SPACE = 1 << 40  # executor value ids are session base + trace value id
-
-
 
 _STRUCTURED: dict[Any, bool] = {}  # op -> has a structured kernel's meta function (native module)
 
@@ -85,6 +84,7 @@ def _on_meta(func: Any, args: list, kwargs: dict) -> Any:
             return out
     with torch.no_grad():
         return func(*args, **kwargs)
+
 
 class Session:
     """A step's link to the executor: its placeholders and where their values come from.
@@ -512,7 +512,7 @@ class Skeleton(Recorder):
             session.wait(position)
             metas = self._check_inferred(node, func, args, kwargs, session.executor.take_result(rec.index))
         else:
-            metas = self.cursor.out_metas(node)
+            metas = self.cursor.metas if node.sized else node.out_metas
         made = [
             x if x is not None else session.new_placeholder(metas[j], first + j, position)
             for j, x in enumerate(slots[:n_ret])
@@ -701,9 +701,7 @@ class Skeleton(Recorder):
         metadata, from the result."""
         inferred = self.cursor.metas
         real = tuple(TensorMeta.of(x) for x in flat_outputs(func, args, kwargs, result))
-        node.inferred = inferred is not None and len(real) == len(inferred) and all(
-            a.shape == b.shape and a.stride == b.stride and a.dtype == b.dtype for a, b in zip(real, inferred)
-        )
+        node.inferred = inferred is not None and same_sizes(real, inferred)
         return real
 
     def output_metas(self, func: Any, args: tuple, kwargs: dict) -> tuple | None:

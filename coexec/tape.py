@@ -132,9 +132,8 @@ class Program:
         self.capped = False
         self.paths: list[PathInput] = []  # the observed paths, as the planner takes them
         self.path_steps: list[int] = []  # per path: the step its trace came from
-        self.plan_steps: tuple[int, ...] = ()  # per path of the plan in use: the step it covers
+        self.plan: PlanRequest = PlanRequest(0, (), None, None, False)  # what the plan in use was made of
         self.needed = 0  # the number of the plan request a budgeted step waits for (plan_current)
-        self.plan_paths: tuple[PathInput, ...] = ()  # the paths of the plan in use
         # plans asked for because a path's step allocated more (grow_path): steps do not wait
         # for them, and one that cannot meet the budget leaves the plan in use
         self.grow_requests: set[int] = set()
@@ -165,12 +164,13 @@ class Program:
         self.paths.append(PathInput(trace, path_sites, writable_ops(trace)))
         self.path_steps.append(step)
 
-    def grow_path(self, path: int, trace: Any, step: int) -> bool:
-        """A covered step of planned ``path`` at other sizes: if it allocates more than the
-        trace the path was planned from, it replaces that trace (plans are made for the
-        largest sizes seen, which cover the smaller ones). Did it?"""
-        old, size = self.paths[path], _allocated_bytes(trace)
-        if size <= _allocated_bytes(old.trace) or size >= self.unplannable.get(path, size + 1):
+    def grow_path(self, path: int, trace: Any, size: int, step: int) -> bool:
+        """A covered step of planned ``path`` that allocated ``size`` bytes, more than the
+        trace the path was planned from: it replaces that trace (plans are made for the
+        largest sizes seen, which cover the smaller ones), unless a plan for steps as large
+        could not meet the budget. Did it?"""
+        old = self.paths[path]
+        if size >= self.unplannable.get(path, size + 1):
             return False
         self.paths[path] = PathInput(trace, old.sites, writable_ops(trace))
         self.path_steps[path] = step
@@ -264,7 +264,7 @@ class Program:
         if result.budget_error is not None and req.number in self.grow_requests:
             return self._keep_smaller_plan(result)
         self.installed, self.stats.planned_paths = req.number, len(req.paths)
-        self.plan_steps, self.plan_paths = req.steps, req.paths
+        self.plan = req
         self.plan_pid = result.pid
         self.budget_error = result.budget_error
         self.plan_failure = None
@@ -299,11 +299,13 @@ class Program:
         """A plan asked for because a path's step allocated more cannot meet the budget: the
         plan in use stays (steps that large go over the budget, and are counted), the paths
         go back to the traces it was made from, and steps as large ask for no plan again."""
-        grown = [i for i, p in enumerate(result.request.paths) if i < len(self.plan_paths) and p is not self.plan_paths[i]]
-        for i in grown:
-            self.unplannable[i] = min(self.unplannable.get(i, 1 << 62), _allocated_bytes(result.request.paths[i].trace))
-            if self.paths[i] is result.request.paths[i]:
-                self.paths[i], self.path_steps[i] = self.plan_paths[i], self.plan_steps[i]
+        used = self.plan
+        for i, (new, old) in enumerate(zip(result.request.paths, used.paths)):
+            if new is old:
+                continue
+            self.unplannable[i] = min(self.unplannable.get(i, 1 << 62), _allocated_bytes(new.trace))
+            if self.paths[i] is new:
+                self.paths[i], self.path_steps[i] = old, used.steps[i]
         error = BudgetTooSmall(*result.budget_error)
         warnings.warn(
             f"coexec: a step at {self.where} allocated more than the steps its plan was made for "
@@ -323,7 +325,8 @@ class Program:
             f.cancel()
         self.futures, self.latest = [], None
         self.graph = TraceGraph()
-        self.paths, self.path_steps, self.plan_steps, self.plan_paths = [], [], (), ()
+        self.paths, self.path_steps = [], []
+        self.plan = PlanRequest(0, (), None, None, False)
         self.schedule, self.arena, self.block_index = None, None, None
         self.params = {}
 
@@ -640,7 +643,7 @@ class GradientTape:
             return [_report_row(0, len(plan.drops.ops), plan.eager_peak, plan.planned_peak, plan.predicted_seconds, plan.recomputed)]
         if program is None or not program.paths:
             return []
-        schedule, steps = program.schedule, program.plan_steps
+        schedule, steps = program.schedule, program.plan.steps
         if schedule is None or len(schedule.paths) != len(program.paths):
             schedule, steps = plan_program(program.paths), tuple(program.path_steps)
         return [
@@ -1018,19 +1021,22 @@ class _Step:
         than the one it was planned for (in the background: no step waits for that plan)."""
         program, stats = self.program, self.program.stats
         signature = self.signature
-        planned = signature in self.session.schedule.signatures
         path = self.session.schedule.signatures.get(signature)
-        larger = path is not None and _allocated_bytes(sk.trace) > _allocated_bytes(program.paths[path].trace)
+        planned = path is not None
+        larger = grew = False
         # (only a budget's decisions change with sizes: the arena leaves sized ops' outputs to
         # the allocator, so an arena alone gains nothing from a plan for larger steps)
-        grew = larger and program.budget is not None and program.grow_path(path, sk.trace, stats.steps - 1)
+        if path is not None and program.budget is not None:
+            size = _allocated_bytes(sk.trace)
+            larger = size > _allocated_bytes(program.paths[path].trace)
+            grew = larger and program.grow_path(path, sk.trace, size, stats.steps - 1)
         if program.budget is not None and stats.peak_bytes > program.budget:
             stats.over_budget_steps += 1
             if not planned:
                 why = "took a path no plan had seen yet (it is planned now)"
             elif larger:
                 then = "it is planned again for these sizes" if grew else "no plan for steps this large meets the budget"
-                why = f"allocated more than step {program.plan_steps[path]}, which its plan was made for (sizes that vary): {then}"
+                why = f"allocated more than step {program.plan.steps[path]}, which its plan was made for (sizes that vary): {then}"
             else:
                 why = "made tensors of other sizes than its traced steps (data-dependent shapes)"
             warnings.warn_explicit(  # (at the user's ``with`` line, as max_traces' warning)
@@ -1077,7 +1083,7 @@ class _Step:
         path = session.schedule.signatures.get(self.signature) if session.schedule is not None else None
         plan = session.schedule.paths[path] if path is not None else None
         stats.planned_path = path
-        stats.planned_for_step = self.program.plan_steps[path] if path is not None else None
+        stats.planned_for_step = self.program.plan.steps[path] if path is not None else None
         stats.planned_peak_bytes = plan.planned_peak if plan is not None else None
         stats.planned_step_seconds = plan.predicted_seconds if plan is not None else None
         runtime.unescape(leaves, optimizers)

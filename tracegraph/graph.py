@@ -178,6 +178,14 @@ def sizeless(meta: TensorMeta) -> tuple:
     return (len(meta.shape), meta.dtype, meta.device, meta.layout, meta.stride is None, meta.requires_grad, meta.bits)
 
 
+def same_sizes(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...]) -> bool:
+    """Do two tensors' metadata (one per tensor) have the same sizes, strides and dtypes? (What
+    an op's outputs worked out without running it must match.)"""
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.stride == y.stride and x.dtype == y.dtype for x, y in zip(a, b)
+    )
+
+
 def same_but_sizes(a: tuple[TensorMeta, ...], b: tuple[TensorMeta, ...]) -> bool:
     """Do two tensors' metadata (one per tensor) differ at most in sizes and strides?"""
     return len(a) == len(b) and all(x is y or sizeless(x) == sizeless(y) for x, y in zip(a, b))
@@ -396,7 +404,8 @@ class Cursor:
         self._first_id = graph._next_id
         self.tracker = LoopTracker(trace.outside_loops)
         self.frames = [_Frame(graph.root, (), None, 0)]
-        self.metas: tuple | None = None  # the outputs of the sized node matched last (out_metas)
+        # the outputs of the sized node matched last, at this step (a node not sized: its own)
+        self.metas: tuple | None = None
 
     # -- feeding --------------------------------------------------------------------------
     def op(self, rec: OpRecord, infer: Callable[[], tuple | None] | None = None) -> Node:
@@ -592,13 +601,11 @@ class Cursor:
             key = key.with_attrs(tuple(attrs))
         if len(node.sources) != len(srcs):
             return False
-        if node.key != key:
-            mine = node.key
-            if not (
-                node.sized and mine.func == key.func and mine.attrs == key.attrs and mine.loc == key.loc
-                and same_but_sizes(mine.metas, key.metas)
-            ):  # fmt: skip
-                return False
+        mine = node.key
+        if mine != key and not (
+            node.sized and mine.attrs == key.attrs and mine.loc == key.loc and same_but_sizes(mine.metas, key.metas)
+        ):  # (the ops are one: checked above)
+            return False
         return all(self.resolves(alts, s, ctx) for alts, s in zip(node.sources, srcs))
 
     def sizes_hold(self, node: Node, rec: OpRecord, infer: Callable[[], tuple | None] | None) -> bool:
@@ -616,24 +623,20 @@ class Cursor:
         mine, theirs = rec.key.attrs, node.key.attrs
         if not any(_may_size(theirs[p], mine[p], kinds[p], factory) for p in node.promoted):
             return True
-        if rec.outputs:
-            values = self.t.values
-            got: tuple | None = tuple(values[v].meta for v in rec.outputs)
-        else:
-            got = infer() if infer is not None else None
-        if got is None or len(got) != len(node.out_metas):
-            return False
-        return all(
-            a.shape == b.shape and a.stride == b.stride and a.dtype == b.dtype for a, b in zip(got, node.out_metas)
-        )
+        got = self._recorded(rec) if rec.outputs else infer() if infer is not None else None
+        return got is not None and same_sizes(got, node.out_metas)
+
+    def _recorded(self, rec: OpRecord) -> tuple:
+        """The metadata of the outputs of an op that ran (its trace has them)."""
+        values = self.t.values
+        return tuple(values[v].meta for v in rec.outputs)
 
     def _bind_sizes(self, node: Node, rec: OpRecord, infer: Callable[[], tuple | None] | None) -> bool:
         """A sized node's outputs at this step (:attr:`metas`): recorded, or worked out by
         ``infer``; the op matches if they differ from the node's at most in sizes. An op whose
         output sizes come from its data (``nonzero``) is waited for: whatever it makes."""
         if rec.outputs:
-            values = self.t.values
-            got: tuple | None = tuple(values[v].meta for v in rec.outputs)
+            got: tuple | None = self._recorded(rec)
         elif schema_of(rec.key.func).dynamic_shape or "py" in node.out_struct:
             self.metas = None
             return True
@@ -653,10 +656,6 @@ class Cursor:
             return False
         self.metas = got
         return True
-
-    def out_metas(self, node: Node) -> tuple:
-        """The metadata of the outputs of ``node``, just matched, at this step."""
-        return self.metas if node.sized else node.out_metas
 
     def can_add(self, node: Node, alts: tuple, src: Source, ctx: Ctx) -> bool:
         """May ``src`` join an input's alternatives? The rule must pick it on this trace, and

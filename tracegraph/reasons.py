@@ -225,6 +225,12 @@ def op_reason(
     return FallbackReason(NEW_OP, msg, where)
 
 
+def _what_varies(mine: tuple, theirs: list) -> str:
+    """A shape (or a size argument, in its hashable form) the graph has at other sizes: "a
+    size", or "a rank" where their lengths differ (sized nodes follow sizes, not ranks)."""
+    return "a rank" if {len(t) for t in theirs} != {len(mine)} else "a size"
+
+
 def _phrase(
     cursor: "Cursor", rec: "OpRecord", node: "Node", d: _Diff, theirs: list, where: str
 ) -> FallbackReason:
@@ -236,8 +242,7 @@ def _phrase(
         tail = f"the graph has {_and([_show(t) for t in theirs])}"
         if is_number_like(d.mine) and is_number_like(d.theirs):
             if _is_size(cursor, rec, node, arg.name):
-                ranks = {len(t) for t in theirs} != {len(d.mine)}  # (hashable forms: tuples)
-                return FallbackReason(SHAPE, head + tail + f" (a {'rank' if ranks else 'size'} that varies)", where)
+                return FallbackReason(SHAPE, head + tail + f" ({_what_varies(d.mine, theirs)} that varies)", where)
             return FallbackReason(SCALAR, head + tail + " (a Python scalar that varies)", where)
         return FallbackReason(ARGUMENT, head + tail + " (an argument that varies)", where)
     if d.kind == "meta":
@@ -250,8 +255,7 @@ def _phrase(
         mine = _show_meta(d.field, d.mine)
         tail = f"the graph has {_and([_show_meta(d.field, t) for t in theirs])}"
         if d.field == "shape":
-            ranks = {len(t) for t in theirs} != {len(d.mine)}
-            msg = f"{what} has shape {mine}, {tail} (a {'rank' if ranks else 'size'} that varies)"
+            msg = f"{what} has shape {mine}, {tail} ({_what_varies(d.mine, theirs)} that varies)"
             return FallbackReason(SHAPE, msg, where)
         return FallbackReason(
             TENSOR, f"{what} has {d.field} {mine}, {tail} (a tensor property that varies)", where
