@@ -8,15 +8,17 @@ plan arrives follow it (``Capture.follow``). A step that leaves the plan's path 
 where the plan expects one) is counted; after two such steps in a row, one is described again
 and planned anew, at most every 16 steps. Where sizes change (a length drawn per step) a plan
 made at one size is followed at the others (its path is its ops): a step that follows it and
-holds more than 5% above its planned peak has outgrown it, and the next step is described; a
-plan made for a smaller step than the one in use (by their unplanned peaks) is left unused, so
-the plan in use is that of the largest step described. From the step after the first described
-one, the capture's guard (``Capture.guard``, ``native/capture_worker.h``) holds every step within
-the budget (less the state the described step found: the allocator counts the step's own bytes)
-where the plan does not: before the plan arrives, and on a step larger than the one planned, by
-dropping values on the worker where an op would go over and making them again where read (a
-larger step's plan that cannot meet the budget leaves the plan in use in place, with a warning:
-the guard holds such steps). A budget no plan can meet raises
+holds more than 5% above its planned peak has outgrown it, and the next step is described; the
+steps after it follow no plan until the larger step's arrives (a plan made at smaller sizes,
+followed beside the guard at larger ones, left the guard values it could not drop: steps 7-9%
+over the budget); a plan made for a smaller step than the one in use (by their unplanned peaks)
+is left unused, so the plan in use is that of the largest step described. From the step after
+the first described one, the capture's guard (``Capture.guard``, ``native/capture_worker.h``)
+holds every step within the budget (less the state the described step found: the allocator
+counts the step's own bytes) where the plan does not: before the plan arrives, and on a step
+larger than the one planned, by dropping values on the worker where an op would go over and
+making them again where read (a larger step's plan that cannot meet the budget leaves the steps
+to the guard alone from then on, with a warning). A budget no plan can meet raises
 :class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs. A step that
 ran ops at once because they were new at their line and could not be answered without running
 them (a shape that follows data) is not described: where sizes change at every step none is,
@@ -120,6 +122,7 @@ class NativeBudget:
         self.described_at = -REPLAN_EVERY
         self.unfollowed = 0
         self.outgrown = False  # a step that followed the plan held more than it planned (sizes grew)
+        self.growing = False  # steps outgrew the plan: the guard alone holds them until a larger step's plan
         self.larger_unplannable = False  # a larger step's plan could not meet the budget (the guard holds it)
         self.describing = False
         self.plans = 0  # plans taken into use
@@ -146,7 +149,7 @@ class NativeBudget:
         self.describing = self.future is None and self.steps >= WARM_UP and due
         if self.describing:
             capture.describe_next()
-        capture.follow(None if self.plan is None else self.plan.drops)
+        capture.follow(None if self.plan is None or self.growing else self.plan.drops)
         cpu.reset_cpu_peak()
         self.live0 = cpu.cpu_bytes()[0]
         # (the guard: the step's own bytes kept within what the budget leaves beside its state)
@@ -171,8 +174,9 @@ class NativeBudget:
             self.future = _submit(d, self.budget)
             self.described_at = self.steps
             self.unfollowed = 0
+            self.growing = self.outgrown
             self.outgrown = False
-        elif self.plan is not None:
+        elif self.plan is not None and not self.growing:
             # (a step off the plan's path: other ops, or other sizes, than the step planned)
             self.unfollowed = 0 if capture.followed else self.unfollowed + 1
             self.unplannable = 0 if capture.followed else self.unplannable + 1
@@ -181,7 +185,7 @@ class NativeBudget:
             self._warn_unplanned()
         persistent = self._persistent()
         stats.peak_bytes = (persistent or 0) + cpu.cpu_bytes()[1] - self.live0
-        stats.planned_peak_bytes = self.plan.planned_peak if self.plan is not None else None
+        stats.planned_peak_bytes = self.plan.planned_peak if self.plan is not None and not self.growing else None
         c = capture.counters
         stats.recomputed_ops = c.remade - self.remade0
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
@@ -221,6 +225,7 @@ class NativeBudget:
 
     def _take(self) -> str:
         f, self.future = self.future, None
+        self.growing = False
         try:
             plan = f.result()
             self.plans_made += 1
@@ -234,16 +239,17 @@ class NativeBudget:
                 # (a step larger than the planned one: the plan in use stays, the guard holds
                 # the larger steps where it can; they are not described again)
                 self.larger_unplannable = True
+                self.growing = True
                 warnings.warn(
                     f"coexec: the memory budget {format_bytes(self.budget)} of the step at {self.where} "
                     f"cannot be met by a plan at the sizes of a step larger than the one planned (the "
-                    f"planner's smallest for it: {format_bytes(e.smallest)}); the plan in use stays, and "
-                    "the capture's guard holds such steps within the budget where it can "
+                    f"planner's smallest for it: {format_bytes(e.smallest)}); steps run on the capture's "
+                    "guard alone from now on, which holds them within the budget where it can "
                     "(tape.stats.over_budget_steps counts those it could not)",
                     RuntimeWarning,
                     stacklevel=1,
                 )
-                return f"no plan for a larger step within {format_bytes(self.budget)}: plan {self.plans} stays"
+                return f"no plan for a larger step within {format_bytes(self.budget)}: the guard alone from now on"
             self.error = BudgetTooSmall(
                 e.budget, e.smallest, "this step has not run (the steps before it ran unplanned while it was planned)"
             )

@@ -1086,6 +1086,21 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
     v->id = next_value_++;
     values_.emplace_back(v);
   }
+  // (retain_graph=False: the nodes the engine would have run let go of what they saved, as the
+  // engine would have, node by node, as it ran them: described, each at its last use, -1.
+  // Before the block's first op is published, so that the worker meets its ops with the program's
+  // holds on the forward's values gone (a budget's guard drops a value once only recipes hold it);
+  // the ops' slots, read above, keep what they read)
+  if (describing_) g_issued.store(-1, std::memory_order_relaxed);
+  if (grad) {
+    for (torch::autograd::Node* n : walker_.needed(b.inputs)) n->release_variables();
+  } else {
+    for (torch::autograd::Node* n : w.nodes) n->release_variables();
+  }
+  if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
+  std::vector<bool> bound(new_values.size(), false);  // (a leaf's .grad, a result: bound after the loop)
+  for (const Binding& bd : b.bindings) bound[bd.value - b.first_value] = true;
+  for (const Binding& r : b.results) bound[r.value - b.first_value] = true;
   size_t g0 = 0, next_new = 0;
   for (const BlockOp& o : b.ops) {
     TapeEntry& e = worker_->next_entry();
@@ -1097,20 +1112,19 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
       const auto [rb, re] = o.refs_of(i);
       e.arg_slots.push_back(static_cast<uint32_t>(e.slots.size()));
       bool real = false;
-      for (uint32_t k = rb; k < re; ++k) {
-        const Got& x = got[g0 + k];
-        e.slots.push_back(x.slot);
-        real = real || (!x.slot && x.t.defined());
-      }
+      for (uint32_t k = rb; k < re; ++k) real = real || (!got[g0 + k].slot && got[g0 + k].t.defined());
       if (!real) {
         e.args.push_back(o.args[i]);
-        continue;
+      } else {
+        size_t k = g0 + rb;
+        e.args.push_back(map_tensors(o.args[i], [&](const at::Tensor&) {
+          const Got& x = got[k++];
+          return x.slot ? at::Tensor() : x.t;
+        }));
       }
-      size_t k = g0 + rb;
-      e.args.push_back(map_tensors(o.args[i], [&](const at::Tensor&) {
-        const Got& x = got[k++];
-        return x.slot ? at::Tensor() : x.t;
-      }));
+      // (moved: once the op is published only the tape holds what it reads, so that the
+      // worker, running right behind this loop, lets go of a value after its last read)
+      for (uint32_t k = rb; k < re; ++k) e.slots.push_back(std::move(got[g0 + k].slot));
     }
     for (size_t r = 0; r < o.written.size(); ++r) {
       e.out_begin.push_back(static_cast<uint32_t>(e.out_slots.size()));
@@ -1121,8 +1135,14 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
           if (got[g0 + k].t.defined()) got[g0 + k].t.unsafeGetTensorImpl()->bump_version();
         continue;
       }
-      for (const TensorMeta& m : o.outputs[r].tensors)
-        e.out_slots.push_back(m.dtype == c10::ScalarType::Undefined ? nullptr : new_values[next_new++]);
+      for (const TensorMeta& m : o.outputs[r].tensors) {
+        if (m.dtype == c10::ScalarType::Undefined) {
+          e.out_slots.push_back(nullptr);
+          continue;
+        }
+        const size_t v = next_new++;  // (a value bound below stays in new_values; the rest move)
+        e.out_slots.push_back(bound[v] ? new_values[v] : std::move(new_values[v]));
+      }
     }
     if (cap_ > 0) e.made_bytes = made_bytes(o.op->schema(), o.written, o.outputs);
     e.forward = false;
@@ -1136,15 +1156,6 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
     w.leaves[bd.leaf].mutable_grad() = make_ph(bd.meta, new_values[bd.value - b.first_value]);
   grads_.assign(b.inputs.size(), std::nullopt);
   for (const Binding& r : b.results) grads_[r.leaf] = make_ph(r.meta, new_values[r.value - b.first_value]);
-  // (retain_graph=False: the nodes the engine would have run let go of what they saved; the
-  // engine would have, node by node, as it ran them: described, each at its last use, -1)
-  if (describing_) g_issued.store(-1, std::memory_order_relaxed);
-  if (grad) {
-    for (torch::autograd::Node* n : walker_.needed(b.inputs)) n->release_variables();
-  } else {
-    for (torch::autograd::Node* n : w.nodes) n->release_variables();
-  }
-  if (describing_) g_issued.store(static_cast<int64_t>(places_.size()), std::memory_order_relaxed);
   extend_path(mix(0xB10C, b.id));
   ++replayed_;
   if (worker_->buried() > kBuriedBeforeExhume) worker_->exhume();

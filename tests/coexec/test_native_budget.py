@@ -311,8 +311,11 @@ def one_thread():
 def test_steps_larger_than_any_planned_stay_within_the_budget(one_thread) -> None:
     """Sizes that grow after the described step (batches of 192 rows, then 320: larger than any
     described or planned, 25% over the budget unguarded): from the step after the described
-    one, the guard (``Capture.guard``) holds most steps within 2% of the budget, with the plan in use or before it arrives (issue 17), bit-equal to
-    eager."""
+    one, the guard (``Capture.guard``) holds every step but one within 2% of the budget, before
+    the plan arrives and after (issue 17), bit-equal to eager. (Where the worker ran right behind
+    the skeleton's gradient block, values the block's issuing still held stayed after their last
+    read and a step went up to 2x over, about one step in 150: ``Capture::issue_block``.)"""
+    native.wait()  # (while the module loads, steps run eagerly and measure no peak)
     rows = [192] * 4 + [320] * 16
     probe = coexec.GradientTape(backend="native", memory_budget="100GB", key=("native budget", "growing probe"))
     state = _rows(_state(), rows)
@@ -331,23 +334,25 @@ def test_steps_larger_than_any_planned_stay_within_the_budget(one_thread) -> Non
         assert torch.equal(got, expected), f"step {i}"
         if i > native_plans.WARM_UP:  # (the steps before, and the described one, run unguarded)
             held.append(tape.stats.peak_bytes / budget)
-    # (unguarded, these steps held 25% over; the guard counts a kernel's workspace as the most it
-    # met, and the step's thread allocates beside the worker: a step may go a few % over; under
-    # load, another process on the cores, one step in a run sometimes went 2x over, a known
-    # defect: docs/coexec.md, Known limits, so no bound on the largest here)
+    # (unguarded, these steps held 25% over. The guard counts a kernel's workspace as the most it
+    # met, and the step's thread allocates beside the worker: a step may go a little over. The
+    # first step to follow the smaller step's plan at the larger sizes, where that plan arrives
+    # among these steps, went up to 9% over: after it, the guard alone holds them until a plan
+    # for their sizes arrives)
     said = " ".join(f"{h:.3f}" for h in held)  # (in step order: a failure says which steps)
-    held.sort()
-    assert held[len(held) // 2] <= 1.02, said
-    assert sum(h > 1.02 for h in held) <= len(held) // 4, said
+    assert max(held) <= 1.10, said
+    assert sum(h > 1.02 for h in held) <= 1, said
     assert coexec.runtime.capture().counters.evicted > evicted0
     for a, b in zip(eager["model"].parameters(), captured["model"].parameters()):
         assert torch.equal(a, b)
 
 
-def test_a_larger_steps_plan_that_cannot_meet_the_budget_leaves_the_plan_in_use(monkeypatch) -> None:
-    """A step larger than the planned one is described; where the planner cannot meet the
-    budget at its sizes (the guard may: it frees what the planner counts), the plan in use
-    stays, a warning says so once, training goes on, and larger steps are not described again."""
+def test_a_larger_steps_plan_that_cannot_meet_the_budget_leaves_the_steps_to_the_guard(monkeypatch) -> None:
+    """A step larger than the planned one is described, and the steps after it run on the guard
+    alone until its plan arrives; where the planner cannot meet the budget at its sizes (the guard
+    may: it frees what the planner counts), they stay on the guard alone (the smaller step's plan
+    is not followed), a warning says so once, training goes on, and larger steps are not described
+    again."""
     from concurrent.futures import Future
 
     from coexec import native_plans
@@ -376,7 +381,9 @@ def test_a_larger_steps_plan_that_cannot_meet_the_budget_leaves_the_plan_in_use(
     step(120)  # (outgrown: the next step is described)
     step(100)  # described; its plan cannot meet the budget
     with pytest.warns(RuntimeWarning, match="cannot be met by a plan at the sizes of a step larger"):
-        assert step(100).planned_peak_bytes == 90  # plan 1 stays
+        assert step(100).planned_peak_bytes is None  # the guard alone
+    assert not capture.followed and capture.cap == 100
     for _ in range(4):
-        assert step(120).planned_peak_bytes == 90  # no error; larger steps not described again
+        assert step(120).planned_peak_bytes is None  # no error; larger steps not described again
+        assert not capture.followed and capture.cap == 100
     assert capture.described == 2 and submit.calls == 2
