@@ -38,6 +38,14 @@ def sites(places: Iterable[tuple[int, tuple]]) -> tuple[Site, ...]:
 SWEEP_EVERY = 4
 
 
+def sweep_every(budget: int | None) -> int:
+    """How many submissions apart a step's skeleton sweeps, and so the lag its plans count:
+    every one under a memory budget (its ops run as issued, and at 4 the transformer of
+    bench/sized_steps.py held its attention's dead 512 KiB tensors 4 ops longer: the planner's
+    floor 15% above eager's peak), else every SWEEP_EVERY."""
+    return SWEEP_EVERY if budget is None else 1
+
+
 _PROBED: dict = {}  # (func, attrs, input metas, output metas) -> probe_out_variant's answer
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner import BudgetTooSmall, InvalidPlan, PathInput, Schedule, Settings, plan_program
 
-from .arena import SWEEP_EVERY
+from .arena import sweep_every
 
 if TYPE_CHECKING:
     from .plan_process import PlanProcess
@@ -88,7 +88,7 @@ def make_plan(req: PlanRequest) -> PlanResult:
             bandwidth=bandwidth,
             # the arena on a GPU: not yet under a budget (docs/planner.md, Known limits)
             arena=req.arena and (req.budget is None or device.type == "cpu"),
-            sweep_lag=SWEEP_EVERY,
+            sweep_lag=sweep_every(req.budget),
         )
         try:
             schedule = plan_program(req.paths, settings)

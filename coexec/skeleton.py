@@ -50,7 +50,7 @@ from tracegraph.reasons import OTHER, FallbackReason
 from tracegraph.recorder import flat_outputs
 from tracegraph.schema import TensorMeta, schema_of
 
-from .arena import SWEEP_EVERY, is_arena_backed, iterations, out_variant
+from .arena import is_arena_backed, iterations, out_variant, sweep_every
 from .blocks import BlockIndex
 from .calls import MISS, TEMPLATES, issue, make_template, needs_grad, signature
 from .errors import ValueLostError
@@ -105,6 +105,7 @@ class Session:
         arena: Any = None,
         index: BlockIndex | None = None,
         arena_outs: dict | None = None,
+        budget: int | None = None,
     ) -> None:
         self.executor = executor
         self.timeout = timeout
@@ -139,7 +140,8 @@ class Session:
         self.stall_seconds = 0.0  # time the skeleton spent waiting on the executor
         if remat is not None and remat.host_bytes:
             executor.submit(HostPool(remat.host_bytes))
-        self._until_sweep = SWEEP_EVERY  # plans count on values freed this promptly
+        self.sweep_every = sweep_every(budget)  # (the tape's memory budget: plans count on it)
+        self._until_sweep = self.sweep_every
         executor.submit(ResetPeak(arena))
 
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
@@ -178,7 +180,7 @@ class Session:
         position = self.executor.submit(ins)
         self._until_sweep -= 1
         if self._until_sweep <= 0:
-            self._until_sweep = SWEEP_EVERY
+            self._until_sweep = self.sweep_every
             dead = self.sweep()
             if dead:
                 self.executor.submit(Free(dead))

@@ -888,7 +888,10 @@ class _Step:
             collector.hold()  # (released by GradientTape.__exit__, once the step is let go of)
 
     def _new_session(self, program: Program) -> Session:
-        return Session(self.ex, self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs)
+        return Session(
+            self.ex, self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs,
+            budget=self.tape.memory_budget,
+        )
 
     # -- which program (coexec/programs.py) -------------------------------------------------
     def meet_parameter(self, t: torch.Tensor) -> None:

@@ -163,12 +163,14 @@ def test_under_a_budget_the_arena_is_planned_with_it_and_the_peak_is_exact(even_
     program = tape._program
     plan = program.schedule
     assert plan.arena_bytes and program.arena.numel() == plan.arena_bytes > 0
-    assert plan.fragmentation < 0.1  # best fit over residency stretches
+    # best fit over residency stretches (0.15 here since values are freed at the next op under a
+    # budget: the stretches are shorter, the arena smaller, the same waste a larger share of it)
+    assert plan.fragmentation < 0.2
     assert len(peaks) >= 2 and all(p == plan.peak <= budget for p in peaks)
     assert tape.stats.recomputed_ops > 0
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(state, eager_state))
     without = smallest_budget(make, step, 6, "budget-no-arena-floor", arena=False)
-    assert without <= budget <= 1.15 * without  # here +10%: the arena placed over stretches fragments
+    assert without <= budget <= 1.10 * without  # here +7%: the arena placed over stretches fragments
 
 
 def test_debug_logs_what_the_budget_plan_does(capsys):
@@ -205,12 +207,30 @@ def test_a_generous_budget_recomputes_nothing():
     assert losses == run(make, step, 5, False)[0]
 
 
+def make_random():
+    """``make``'s MLP with dropout after each layer: values drawn from the generator, which
+    recomputation cannot make again, and offloading can park."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(128, 128), nn.Tanh(), nn.Dropout(0.1)]
+    model = nn.Sequential(*layers, nn.Linear(128, 1))
+    return SimpleNamespace(
+        model=model,
+        opt=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        data=[(torch.randn(256, 128), torch.randn(256, 1)) for _ in range(3)],
+    )
+
+
 def test_offloading_lowers_the_smallest_budget_and_parks_activations_bit_equal():
-    eager_losses, eager_state, _ = run(make, step, 6, False)
-    remat_only = smallest_budget(make, step, 6, "budget-remat-only", offload=False)
-    budget = smallest_budget(make, step, 6, "budget-offload", offload=True)
+    # (with dropout: where every value can be made again, as in ``make``'s MLP, recomputation
+    # alone reaches the step's working set once dead values are freed at the next op, and
+    # parking lowers nothing: coexec/arena.py, sweep_every)
+    eager_losses, eager_state, _ = run(make_random, step, 6, False)
+    remat_only = smallest_budget(make_random, step, 6, "budget-remat-only", offload=False)
+    budget = smallest_budget(make_random, step, 6, "budget-offload", offload=True)
     assert budget < remat_only
-    budget, losses, state, tape, peaks = run_at_floor(make, step, 6, budget, "budget-offload-run", offload=True)
+    budget, losses, state, tape, peaks = run_at_floor(make_random, step, 6, budget, "budget-offload-run", offload=True)
     assert budget < remat_only
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))

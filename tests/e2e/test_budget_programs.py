@@ -50,16 +50,15 @@ def test_zoo_model_at_its_smallest_budget(name):
 
 @pytest.mark.parametrize("name", ["gpt2-6l", "resnet18", "lstm-lm", "mlp"])
 def test_zoo_model_offloading_at_its_smallest_budget(name):
-    """Offloading never raises the smallest budget; on the GPT-2-style model it lowers it (its
-    floor is an activation idle across the backward, which can be parked on the host), and the
-    step parks storages there yet stays bit-equal and within the budget."""
+    """Offloading never raises the smallest budget, and the step stays bit-equal and within it.
+    (It lowered the GPT-2-style model's, an activation idle across the backward parked on the
+    host, while dead values were freed 4 ops late under a budget; freed at the next op,
+    recomputation alone reaches below what offloading reached then, 15.98 MB against 16.02,
+    and parking lowers nothing more: test_budget.py's MLP with dropout is where it does.)"""
     make, step = lambda: ZOO[name](2), lambda z, i: z.step()
     remat_only = smallest_budget(make, step, 5, ("budget-zoo-remat", name), offload=False)
     tape = check_at_smallest_budget(make, step, 5, ("budget-zoo-offload", name), offload=True)
     assert tape.memory_budget <= remat_only
-    if name == "gpt2-6l":
-        assert tape.memory_budget < remat_only
-        assert tape.stats.offloaded_storages > 0
 
 
 @pytest.mark.parametrize(
