@@ -297,7 +297,7 @@ class Program:
 
     def _keep_smaller_plan(self, result: PlanResult) -> str:
         """A plan asked for because a path's step allocated more cannot meet the budget: the
-        plan in use stays (steps that large go over the budget, and are counted), the paths
+        plan in use stays (steps that large may go over the budget, and are counted), the paths
         go back to the traces it was made from, and steps as large ask for no plan again."""
         used = self.plan
         for i, (new, old) in enumerate(zip(result.request.paths, used.paths)):
@@ -310,7 +310,8 @@ class Program:
         warnings.warn(
             f"coexec: a step at {self.where} allocated more than the steps its plan was made for "
             f"(sizes that vary), and no plan for its sizes meets the memory budget ({error}); "
-            "the plan in use stays, and steps that large go over the budget",
+            "the plan in use stays, and steps that large may go over the budget (counted in "
+            "tape.stats.over_budget_steps)",
             RuntimeWarning,
             stacklevel=5,
         )
