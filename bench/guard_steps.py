@@ -2,7 +2,8 @@
 
     python bench/guard_steps.py [--steps 150] [--runs 4] [--guard-only]
 
-The growing batch of ``tests/coexec/test_native_budget.py`` (six Tanh layers of 64, Adam;
+The growing batch of ``tests/coexec/test_native_budget.py`` (its model, data and steps, imported:
+six Tanh layers of 64, Adam;
 4 steps of 192 rows, then 320 rows, 25% over the budget unguarded) at a budget of 80% of a
 320-row step's peak, trained for ``--steps`` steps after the first four, ``--runs`` times, each
 in a process of its own (a fresh capture and planning child). ``--guard-only``: the plan never
@@ -28,27 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
+
+from tests.coexec.test_native_budget import _rows, _state, _step_i
 
 WARM_UP_STEPS = 4  # (192 rows; the described step is among them)
-
-
-def _state(rows: list[int]) -> dict:
-    torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(64, 4))
-    x, y = torch.randn(512, 64), torch.randn(512, 4)
-    return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=0.01), "data": [(x[:n], y[:n]) for n in rows]}
-
-
-def _step(state: dict, i: int) -> torch.Tensor:
-    model, opt = state["model"], state["opt"]
-    x, y = state["data"][i]
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
 
 
 def one_run(steps: int, guard_only: bool) -> dict:
@@ -61,20 +45,20 @@ def one_run(steps: int, guard_only: bool) -> dict:
     native.wait()
     rows = [192] * WARM_UP_STEPS + [320] * steps
     probe = coexec.GradientTape(backend="native", memory_budget="100GB", key=("guard steps", "probe"))
-    state = _state(rows)
+    state = _rows(_state(), rows)
     for i in range(WARM_UP_STEPS + 2):
         with probe:
-            _step(state, i)
+            _step_i(state, i)
     budget = int(0.8 * probe.stats.peak_bytes)  # (of a 320-row step)
     if guard_only:
         native_plans._submit = lambda description, budget: Future()  # (never resolved)
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("guard steps", "budget"))
-    eager, captured = _state(rows), _state(rows)
+    eager, captured = _rows(_state(), rows), _rows(_state(), rows)
     held, equal = [], True
     for i in range(len(rows)):
-        want = _step(eager, i)
+        want = _step_i(eager, i)
         with tape:
-            got = _step(captured, i)
+            got = _step_i(captured, i)
         equal = equal and torch.equal(want, got)
         if i > native_plans.WARM_UP:  # (the steps before, and the described one, run unguarded)
             held.append(tape.stats.peak_bytes / budget)

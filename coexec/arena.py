@@ -40,9 +40,9 @@ SWEEP_EVERY = 4
 
 def sweep_every(budget: int | None) -> int:
     """How many submissions apart a step's skeleton sweeps, and so the lag its plans count:
-    every one under a memory budget (its ops run as issued, and at 4 the transformer of
-    bench/sized_steps.py held its attention's dead 512 KiB tensors 4 ops longer: the planner's
-    floor 15% above eager's peak), else every SWEEP_EVERY."""
+    every one under a memory budget (its ops run as issued, and every dead value a plan counts
+    on for longer raises the budgets it can meet: docs/coexec.md, The executor), else every
+    SWEEP_EVERY."""
     return SWEEP_EVERY if budget is None else 1
 
 

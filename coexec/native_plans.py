@@ -122,8 +122,7 @@ class NativeBudget:
         self.described_at = -REPLAN_EVERY
         self.unfollowed = 0
         self.outgrown = False  # a step that followed the plan held more than it planned (sizes grew)
-        self.growing = False  # steps outgrew the plan: the guard alone holds them until a larger step's plan
-        self.larger_unplannable = False  # a larger step's plan could not meet the budget (the guard holds it)
+        self.growing = False  # steps outgrew the plan: _followed
         self.describing = False
         self.plans = 0  # plans taken into use
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
@@ -149,7 +148,8 @@ class NativeBudget:
         self.describing = self.future is None and self.steps >= WARM_UP and due
         if self.describing:
             capture.describe_next()
-        capture.follow(None if self.plan is None or self.growing else self.plan.drops)
+        followed = self._followed()
+        capture.follow(None if followed is None else followed.drops)
         cpu.reset_cpu_peak()
         self.live0 = cpu.cpu_bytes()[0]
         # (the guard: the step's own bytes kept within what the budget leaves beside its state)
@@ -176,7 +176,7 @@ class NativeBudget:
             self.unfollowed = 0
             self.growing = self.outgrown
             self.outgrown = False
-        elif self.plan is not None and not self.growing:
+        elif self._followed() is not None:
             # (a step off the plan's path: other ops, or other sizes, than the step planned)
             self.unfollowed = 0 if capture.followed else self.unfollowed + 1
             self.unplannable = 0 if capture.followed else self.unplannable + 1
@@ -185,16 +185,22 @@ class NativeBudget:
             self._warn_unplanned()
         persistent = self._persistent()
         stats.peak_bytes = (persistent or 0) + cpu.cpu_bytes()[1] - self.live0
-        stats.planned_peak_bytes = self.plan.planned_peak if self.plan is not None and not self.growing else None
+        followed = self._followed()
+        stats.planned_peak_bytes = followed.planned_peak if followed is not None else None
         c = capture.counters
         stats.recomputed_ops = c.remade - self.remade0
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
         if persistent is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
-        if self.plan is not None and capture.followed and not self.describing:
+        if followed is not None and capture.followed and not self.describing:
             # (it grew past the plan: the next step is described, a plan for larger sizes may be due)
-            grew = stats.peak_bytes > self.plan.planned_peak * OUTGROWN
-            self.outgrown = self.outgrown or (grew and not self.larger_unplannable)
+            self.outgrown = self.outgrown or stats.peak_bytes > followed.planned_peak * OUTGROWN
+
+    def _followed(self) -> NativeBudgetPlan | None:
+        """The plan steps follow: the plan in use, unless steps outgrew it (``growing``: the
+        guard alone holds them until a larger step's plan arrives, or for good where none can
+        meet the budget)."""
+        return None if self.growing else self.plan
 
     def _persistent(self) -> int | None:
         """The bytes of the state a step holds besides its own (parameters, optimizer state,
@@ -236,9 +242,8 @@ class NativeBudget:
             self.plan = plan
         except BudgetTooSmall as e:
             if self.plan is not None:
-                # (a step larger than the planned one: the plan in use stays, the guard holds
-                # the larger steps where it can; they are not described again)
-                self.larger_unplannable = True
+                # (a step larger than the planned one: the guard alone holds steps from now on,
+                # for good: following no plan, none outgrows it, and none is described again)
                 self.growing = True
                 warnings.warn(
                     f"coexec: the memory budget {format_bytes(self.budget)} of the step at {self.where} "

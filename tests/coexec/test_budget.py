@@ -18,11 +18,11 @@ from planner import BudgetTooSmall, format_bytes
 from tests.coexec.helpers import as_float, run, tensors_of
 
 
-def make():
+def make(dropout: bool = False):
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(6):
-        layers += [nn.Linear(128, 128), nn.Tanh()]
+        layers += [nn.Linear(128, 128), nn.Tanh(), *([nn.Dropout(0.1)] if dropout else [])]
     model = nn.Sequential(*layers, nn.Linear(128, 1))
     return SimpleNamespace(
         model=model,
@@ -210,16 +210,7 @@ def test_a_generous_budget_recomputes_nothing():
 def make_random():
     """``make``'s MLP with dropout after each layer: values drawn from the generator, which
     recomputation cannot make again, and offloading can park."""
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(6):
-        layers += [nn.Linear(128, 128), nn.Tanh(), nn.Dropout(0.1)]
-    model = nn.Sequential(*layers, nn.Linear(128, 1))
-    return SimpleNamespace(
-        model=model,
-        opt=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-        data=[(torch.randn(256, 128), torch.randn(256, 1)) for _ in range(3)],
-    )
+    return make(dropout=True)
 
 
 def test_offloading_lowers_the_smallest_budget_and_parks_activations_bit_equal():
