@@ -89,9 +89,11 @@ bool has_tensor(const c10::IValue& iv) {
   return any;
 }
 
-bool any_tensor(Args args) {
-  for (const auto& a : args)
-    if (has_tensor(a)) return true;
+// Does the op read a tensor, an ``out=`` tensor aside? ``arange.start_out`` (what
+// ``torch.arange`` reaches here) reads none: it resizes its ``out`` to what its numbers say.
+bool tensor_inputs(const c10::FunctionSchema& schema, Args args) {
+  for (size_t i = 0; i < args.size(); ++i)
+    if (has_tensor(args[i]) && !schema.arguments()[i].is_out()) return true;
   return false;
 }
 
@@ -99,7 +101,9 @@ bool any_tensor(Args args) {
 // part of what an op makes as its inputs' metadata. A number (Scalar, float: an alpha, a learning
 // rate, Adam's step size) counts by its kind only where the op has tensor inputs: type promotion
 // reads the kind, no output's shape reads the value, and such values change from step to step.
-// A factory's numbers (``arange``'s end) make its shape, so there they count by value.
+// A factory's numbers (``arange``'s end) make its shape, so there they count by value, an
+// ``out=`` factory's too (``arange.start_out``'s start: with it erased, ``arange(n - 1, -1, -1)``
+// kept the first step's length at every ``n``).
 // Argument ``i`` as the cache keeps it (``tensors``: the op has tensor inputs; a tensor: None).
 c10::IValue const_of(const c10::FunctionSchema& schema, size_t i, const c10::IValue& iv, bool tensors) {
   if (has_tensor(iv)) return c10::IValue();
@@ -116,7 +120,7 @@ c10::IValue const_of(const c10::FunctionSchema& schema, size_t i, const c10::IVa
 }
 
 std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, Args args) {
-  const bool tensors = any_tensor(args);
+  const bool tensors = tensor_inputs(schema, args);
   std::vector<c10::IValue> out;
   out.reserve(args.size());
   for (size_t i = 0; i < args.size(); ++i) out.push_back(const_of(schema, i, args[i], tensors));
@@ -176,7 +180,7 @@ bool matches(const Entry& e, const c10::FunctionSchema& schema, Args args) {
     if (!same) return false;
   }
   if (k != e.inputs.size()) return false;
-  const bool tensors = !e.inputs.empty() || any_tensor(args);
+  const bool tensors = tensor_inputs(schema, args);
   for (size_t i = 0; i < args.size(); ++i)
     if (!has_tensor(args[i]) && !same_const(const_of(schema, i, args[i], tensors), e.consts[i])) return false;
   return true;

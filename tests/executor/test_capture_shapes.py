@@ -79,6 +79,19 @@ def test_ops_whose_sizes_follow_data_still_run_at_once() -> None:
         assert torch.equal(y, (x[(x > 1).nonzero()[:, 0]] * 2).sum(0))
 
 
+def test_an_out_factorys_numbers_are_part_of_its_cache_entry() -> None:
+    """``torch.arange`` reaches the capture as ``arange.start_out`` into an empty tensor: its
+    start and end size the result, so a step with another start is another entry (with them
+    counted by kind, ``arange(n - 1, -1, -1)`` kept the first step's length at every ``n``)."""
+    capture = Capture()
+    for n in (0, 1, 3, 1, 2):
+        with capture.step():
+            got = [torch.arange(n - 1, -1, -1), torch.arange(n), torch.arange(1, n + 2, 2), torch.arange(0.5, n + 1)]
+        want = [torch.arange(n - 1, -1, -1), torch.arange(n), torch.arange(1, n + 2, 2), torch.arange(0.5, n + 1)]
+        assert [g.shape for g in got] == [w.shape for w in want], n
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), n
+
+
 def test_random_ops_at_new_sizes_draw_in_eagers_order() -> None:
     """``multinomial``'s kernel draws before it reads its input: answered by running it on
     stand-ins with a generator of its own, it leaves the default generator to the worker, whose
