@@ -1,6 +1,6 @@
 """A memory budget on the native backend where sizes change between steps (issue 17).
 
-    python bench/dynamic_budget.py [--steps 60] [--fraction 0.9] [--threads 1]
+    python bench/dynamic_budget.py [--steps 60] [--fraction 0.9] [--threads 1] [--per-step]
 
 The random-length transformer of ``examples/dynamic_programs.py`` (a length drawn per step in
 [16, 128]), twice: as it is, and with every length the largest (``fixed 128``, the baseline
@@ -12,8 +12,8 @@ measured, stepping in turn with an eager copy (each under its own RNG state), fo
 steps. Columns:
 
 * ``budget``, ``peaks unbudgeted``: the budget and the range of the unbudgeted steps' peaks;
-* ``unguarded steps (over budget)``: the steps before the first one described (the capture meets
-  the ops, then the backward), which run at eager's peak, and how many of them went over;
+* ``unguarded steps (over budget)``: the steps before the guard knows the step's state (the
+  first: guarded on everything alive as it begins, an upper bound), and how many went over;
 * ``guarded steps over budget``, ``largest guarded peak / budget``: the steps after it, held
   within the budget by the plan once it arrived and by the capture's guard before and beyond it
   (``Capture.guard``: values dropped where an op would go over, made again where read); issue 17
@@ -79,13 +79,14 @@ def _peaks(fixed: bool, steps: int) -> list[int]:
     return peaks
 
 
-def measure(fixed: bool, steps: int, fraction: float) -> dict:
+def measure(fixed: bool, steps: int, fraction: float, per_step: bool = False) -> dict:
     peaks = _peaks(fixed, steps)
     budget = int(fraction * max(peaks))
     lengths = "fixed 128" if fixed else "drawn in [16, 128]"
     pair = Pair(lambda: _program(fixed))
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("dynamic budget", fixed, fraction))
     first, unguarded, over_unguarded, over_guarded, largest = None, 0, 0, 0, 0.0
+    held = []  # per step: its peak over the budget (P: it followed a plan)
     for i in range(steps):
         b = tape._program.native_budget if tape._program is not None else None  # (coexec/native_plans.py)
         guarded = b is not None and b._persistent() is not None  # (a step has been described)
@@ -94,6 +95,7 @@ def measure(fixed: bool, steps: int, fraction: float) -> dict:
         except coexec.BudgetTooSmall as e:  # (at the step after the plan was asked for)
             return {"lengths": lengths, "budget MB": budget / MB, "first planned step": f"none: {e}"}
         s = tape.stats
+        held.append(f"{s.peak_bytes / budget:.3f}{'P' if s.planned_peak_bytes is not None else ''}")
         if guarded:
             over_guarded += s.peak_bytes > budget
             largest = max(largest, s.peak_bytes / budget)
@@ -105,6 +107,8 @@ def measure(fixed: bool, steps: int, fraction: float) -> dict:
         elif first is None:
             first = i
     b = tape._program.native_budget
+    if per_step:
+        print(f"{lengths}: per step, peak / budget (P: followed a plan): {' '.join(held)}", file=sys.stderr)
     return {
         "lengths": lengths,
         "steps": steps,
@@ -128,6 +132,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.9)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     ap.add_argument("--only", choices=("drawn", "fixed"), help="one run, its row as JSON (each run is a process)")
+    ap.add_argument("--per-step", action="store_true", help="also print each step's peak over the budget (stderr)")
     args = ap.parse_args()
     if args.only is None:
         # (each run in a process of its own: the planning child's first plan pays for loading the
@@ -135,14 +140,14 @@ def main() -> None:
         rows = []
         for only in ("drawn", "fixed"):
             cmd = [sys.executable, __file__, "--only", only, *sys.argv[1:]]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
         print(markdown_table(rows))
         return
     prepare(args.threads)
     if native.wait() is None:
         raise SystemExit("the native module is not available")
-    print(json.dumps(measure(args.only == "fixed", args.steps, args.fraction)))
+    print(json.dumps(measure(args.only == "fixed", args.steps, args.fraction, args.per_step)))
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ holds more than 5% above its planned peak has outgrown it, and the next step is 
 steps after it follow no plan until the larger step's arrives (a plan made at smaller sizes,
 followed beside the guard at larger ones, left the guard values it could not drop: steps 7-9%
 over the budget); a plan made for a smaller step than the one in use (by their unplanned peaks)
-is left unused, so the plan in use is that of the largest step described. From the step after
-the first described one, the capture's guard (``Capture.guard``, ``native/capture_worker.h``)
-holds every step within the budget (less the state the described step found: the allocator
-counts the step's own bytes) where the plan does not: before the plan arrives, and on a step
+is left unused, so the plan in use is that of the largest step described. From the first step
+on, the capture's guard (``Capture.guard``, ``native/capture_worker.h``) holds every step
+within the budget (less the state the last described step found: the allocator counts the
+step's own bytes; the steps before the first planned description are described for that alone,
+and the first step, whose state nothing tells, counts everything alive as it begins) where the
+plan does not: before the plan arrives, and on a step
 larger than the one planned, by dropping values on the worker where an op would go over and
 making them again where read (a larger step's plan that cannot meet the budget leaves the steps
 to the guard alone from then on, with a warning). A budget no plan can meet raises
@@ -89,6 +91,12 @@ _child = _PlanChild()
 atexit.register(_child.close)
 
 
+def _state_bytes(d: StepDescription) -> int:
+    """The bytes of the storages a described step found existing: its state (parameters,
+    optimizer state, inputs)."""
+    return sum(n for n, existed in zip(d.storage_bytes, d.existed) if existed)
+
+
 def _submit(d: StepDescription, budget: int) -> Future:
     """The plan, made in the child process (here, in a thread, if the child cannot run)."""
     f: Future = Future()
@@ -123,7 +131,8 @@ class NativeBudget:
         self.unfollowed = 0
         self.outgrown = False  # a step that followed the plan held more than it planned (sizes grew)
         self.growing = False  # steps outgrew the plan: _followed
-        self.describing = False
+        self.describing = False  # the step is described to be planned
+        self.measuring = False  # the step is described for its state only (no step was before)
         self.plans = 0  # plans taken into use
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
         self.planning_seconds = 0.0  # the planner's time on them
@@ -146,15 +155,20 @@ class NativeBudget:
             or (self.unfollowed >= UNFOLLOWED and self.steps - self.described_at >= REPLAN_EVERY)
         )
         self.describing = self.future is None and self.steps >= WARM_UP and due
-        if self.describing:
+        # (before any step is, warm-up steps are described too, for the state they find: the
+        # guard of the step after them keeps the step's own bytes within what it leaves)
+        self.measuring = not self.describing and self._persistent() is None
+        if self.describing or self.measuring:
             capture.describe_next()
         followed = self._followed()
         capture.follow(None if followed is None else followed.drops)
         cpu.reset_cpu_peak()
         self.live0 = cpu.cpu_bytes()[0]
-        # (the guard: the step's own bytes kept within what the budget leaves beside its state)
+        # (the guard: the step's own bytes kept within what the budget leaves beside its state;
+        # the first step's state is not known: everything alive as it begins is counted)
         persistent = self._persistent()
-        capture.guard(0 if persistent is None else self.live0 + max(1, self.budget - persistent))
+        state = self.live0 if persistent is None else persistent
+        capture.guard(self.live0 + max(1, self.budget - state))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
         return lines
@@ -164,13 +178,14 @@ class NativeBudget:
         it held at its peak (persistent state as the described step had it, plus what the
         step allocated beyond what was live as it began)."""
         self.steps += 1
+        d = capture.description() if self.describing or self.measuring else None
+        if d is not None:
+            self.persistent = _state_bytes(d)
         if self.describing and capture.counters.misses > self.misses0:
             # (ops new at their line ran at once: not the path's settled ops; the next step is described)
             self.unplannable += 1
         elif self.describing:
             self.unplannable = 0
-            d = capture.description()
-            self.persistent = sum(n for n, existed in zip(d.storage_bytes, d.existed) if existed)
             self.future = _submit(d, self.budget)
             self.described_at = self.steps
             self.unfollowed = 0

@@ -202,6 +202,17 @@ class StepLog {
     for (const c10::IValue& r : out) each_tensor(r, one);
   }
 
+  // A value dropped from storage `was` is made again in `t`: the same storage to the plan (read
+  // as an input, a storage first met counts as existing before the step, its state; a guarded
+  // description counted the values the guard made again so, and planned them as persistent).
+  void remade(const at::Tensor& t, const void* was) {
+    if (was == nullptr || !t.has_storage()) return;
+    const auto it = ids_.find(static_cast<const c10::StorageImpl*>(was));
+    if (it == ids_.end()) return;
+    if (ids_.try_emplace(t.storage().unsafeGetStorageImpl(), it->second).second)
+      held_.emplace_back(t.storage().getWeakStorageImpl());
+  }
+
  private:
   std::unordered_map<const c10::StorageImpl*, int64_t> ids_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> held_;
@@ -242,6 +253,8 @@ struct Recipe {
   // a guard's inputs that cannot be dropped (no recipe: random, written, small), held weakly
   // until one of its values is dropped (arm): holding them would keep memory eager frees
   std::vector<std::pair<uint32_t, std::weak_ptr<Slot>>> weak;  // (place in entry.slots, slot)
+  // a guard's in a described step: its log, told of the values made again (StepLog::remade)
+  StepLog* log = nullptr;
 
   // Hold the weakly held inputs: false if one is gone (its values cannot be made again).
   bool arm() {
@@ -272,7 +285,11 @@ struct Recipe {
 
 // Drop the value of `s`, which has a recipe (made again where it is next read).
 void drop(Slot& s) {
-  if (s.real.has_storage()) s.dropped_bytes = static_cast<int64_t>(s.real.storage().nbytes());
+  s.dropped_from = nullptr;
+  if (s.real.has_storage()) {
+    s.dropped_bytes = static_cast<int64_t>(s.real.storage().nbytes());
+    s.dropped_from = s.real.storage().unsafeGetStorageImpl();
+  }
   s.real = at::Tensor();
 }
 
@@ -374,6 +391,7 @@ const at::Tensor& value_of(Slot& s) {
     auto o = r->outs[i].lock();
     if (o && !o->real.defined()) {
       if (r->again && t_remade != nullptr) t_remade->push_back(o);
+      if (r->log != nullptr) r->log->remade(t, o->dropped_from);
       o->real = t;
       if (!r->again) o->recipe.reset();  // (a plan's: made again once, its inputs let go of, as it counts)
     }
@@ -695,6 +713,7 @@ class Worker final : public RoomMaker {
       if (!recipe) {
         recipe = recipe_of(e);
         recipe->again = true;
+        recipe->log = log();
         for (uint32_t k = 0; k < recipe->entry.slots.size(); ++k)
           if (auto& in = recipe->entry.slots[k]) {
             if (in->recipe) {

@@ -147,6 +147,34 @@ def test_a_value_written_in_place_after_its_drop_is_made_from_its_inputs_before_
     assert torch.equal(got, expected) and torch.equal(w.detach(), w_eager.detach())
 
 
+def test_a_described_step_under_a_guard_finds_the_state_an_unguarded_one_does() -> None:
+    """Values the guard made again in a described step are the storages they were dropped from
+    to its description: read again, a new storage counted as existing before the step (its
+    state), and a plan made from it counted the remade activations as persistent."""
+
+    def described(cap: int | None):
+        model = mlp(2)
+        x = torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
+        cpu, capture = native.wait(), Capture()
+        for describe in (False, True):
+            if describe:
+                capture.describe_next()
+            live0 = cpu.cpu_bytes()[0]
+            capture.guard(0 if cap is None else live0 + cap)
+            with capture.step():
+                train_step(model, x)
+        capture.guard(0)
+        return capture.description(), capture.counters
+
+    free, _ = described(None)
+    free_peak = captured_peaks(mlp(2), [torch.randn(512, 256)] * 2, None)[0][-1]
+    guarded, counters = described(free_peak * 2 // 3)
+    assert counters.remade > 0
+    state = [sum(n for n, e in zip(d.storage_bytes, d.existed) if e) for d in (free, guarded)]
+    assert state[0] == state[1], state
+    assert len(guarded.ops) == len(free.ops) and len(guarded.storage_bytes) == len(free.storage_bytes)
+
+
 def test_a_negative_cap_is_refused() -> None:
     with pytest.raises(RuntimeError, match="a guard's cap is a byte count"):
         Capture().guard(-1)
