@@ -137,8 +137,15 @@ def _show(v: Any) -> str:
     if v is FED:
         return "a fed value"
     if type(v) is tuple:
-        return "[" + ", ".join(_show(x) for x in v) + "]"
+        if len(v) > 2 and all(x is TENSOR_ARG for x in v):
+            return f"a list of {len(v)} tensors"
+        shown = [_show(x) for x in v[:8]] + ([f"... ({len(v)} in all)"] if len(v) > 8 else [])
+        return "[" + ", ".join(shown) + "]"
     return repr(v)
+
+
+def _tensor_list(v: Any) -> bool:
+    return type(v) is tuple and bool(v) and all(x is TENSOR_ARG for x in v)
 
 
 def _show_meta(field: str, v: Any) -> str:
@@ -244,6 +251,9 @@ def _phrase(
             if _is_size(cursor, rec, node, arg.name):
                 return FallbackReason(SHAPE, head + tail + f" ({_what_varies(d.mine, theirs)} that varies)", where)
             return FallbackReason(SCALAR, head + tail + " (a Python scalar that varies)", where)
+        if _tensor_list(d.mine) and all(_tensor_list(t) for t in theirs):
+            # (torch.stack of a list whose length is an episode's: one graph does not follow it)
+            return FallbackReason(SHAPE, head + tail + " (the length of a list of tensors that varies)", where)
         return FallbackReason(ARGUMENT, head + tail + " (an argument that varies)", where)
     if d.kind == "meta":
         value = cursor.t.values[rec.inputs[d.pos]]

@@ -184,3 +184,26 @@ def test_a_tensor_made_in_the_step_with_a_size_that_varies():
         f"{at('made')}, has shape [3, 1], the graph has [2, 1] (a size that varies)",
         at("reads made"),
     )
+
+
+def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(rows).sum()  # stack
+
+
+def test_a_list_of_tensors_whose_length_varies_is_a_size_said_by_its_length():
+    """REINFORCE's ``torch.stack(log_probs)`` over an episode: the reason names the lists'
+    lengths (it printed each of their tensors) and counts as a size one graph does not follow."""
+    g = TraceGraph()
+    rows = [torch.randn(4) for _ in range(5)]
+    with record() as tr:
+        stacked(rows)
+    g.merge(tr)
+    rows = [torch.randn(4) for _ in range(7)]
+    with record() as tr:
+        stacked(rows)
+    assert why_new(g, tr) == FallbackReason(
+        "shape",
+        f"argument 0 (tensors) of aten::stack at {at('stack')} was a list of 7 tensors, the graph has "
+        "a list of 5 tensors (the length of a list of tensors that varies)",
+        at("stack"),
+    )
