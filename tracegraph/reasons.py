@@ -139,8 +139,7 @@ def _show(v: Any) -> str:
     if type(v) is tuple:
         if len(v) > 2 and all(x is TENSOR_ARG for x in v):
             return f"a list of {len(v)} tensors"
-        shown = [_show(x) for x in v[:8]] + ([f"... ({len(v)} in all)"] if len(v) > 8 else [])
-        return "[" + ", ".join(shown) + "]"
+        return "[" + ", ".join(_show(x) for x in v) + "]"
     return repr(v)
 
 

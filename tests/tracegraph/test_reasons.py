@@ -193,17 +193,17 @@ def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
 def test_a_list_of_tensors_whose_length_varies_is_a_size_said_by_its_length():
     """REINFORCE's ``torch.stack(log_probs)`` over an episode: the reason names the lists'
     lengths (it printed each of their tensors) and counts as a size one graph does not follow."""
-    g = TraceGraph()
-    rows = [torch.randn(4) for _ in range(5)]
-    with record() as tr:
-        stacked(rows)
-    g.merge(tr)
-    rows = [torch.randn(4) for _ in range(7)]
-    with record() as tr:
-        stacked(rows)
-    assert why_new(g, tr) == FallbackReason(
+    def rec_stacked(n: int):
+        rows = [torch.randn(4) for _ in range(n)]
+        with record() as tr:
+            stacked(rows)
+        return tr
+
+    g = graph_of(rec_stacked(5), rec_stacked(9), rec_stacked(3), rec_stacked(12))
+    assert why_new(g, rec_stacked(7)) == FallbackReason(
         "shape",
         f"argument 0 (tensors) of aten::stack at {at('stack')} was a list of 7 tensors, the graph has "
-        "a list of 5 tensors (the length of a list of tensors that varies)",
+        "a list of 9 tensors, a list of 3 tensors, a list of 12 tensors and 1 more "
+        "(the length of a list of tensors that varies)",
         at("stack"),
     )
