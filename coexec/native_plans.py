@@ -179,8 +179,12 @@ class NativeBudget:
         step allocated beyond what was live as it began)."""
         self.steps += 1
         d = capture.description() if self.describing or self.measuring else None
-        if d is not None:
-            self.persistent = _state_bytes(d)
+        found = None if d is None else _state_bytes(d)  # (the state this step found)
+        if found is not None:
+            # (the state of the steps after it: what it found, and what it left alive beyond
+            # what it began with, an optimizer's state made in a first step; counted as found,
+            # the second step's guard left it 3% too much room)
+            self.persistent = found + max(0, cpu.cpu_bytes()[0] - self.live0)
         if self.describing and capture.counters.misses > self.misses0:
             # (ops new at their line ran at once: not the path's settled ops; the next step is described)
             self.unplannable += 1
@@ -198,7 +202,7 @@ class NativeBudget:
         if self.unplannable >= UNPLANNABLE and not self.warned:
             self.warned = True
             self._warn_unplanned()
-        persistent = self._persistent()
+        persistent = found if found is not None and self.plan is None else self._persistent()
         stats.peak_bytes = (persistent or 0) + cpu.cpu_bytes()[1] - self.live0
         followed = self._followed()
         stats.planned_peak_bytes = followed.planned_peak if followed is not None else None
