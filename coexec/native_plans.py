@@ -132,7 +132,7 @@ class NativeBudget:
         self.outgrown = False  # a step that followed the plan held more than it planned (sizes grew)
         self.growing = False  # steps outgrew the plan: _followed
         self.describing = False  # the step is described to be planned
-        self.measuring = False  # the step is described for its state only (no step was before)
+        self.described = False  # the step is described: to be planned, or for its state alone
         self.plans = 0  # plans taken into use
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
         self.planning_seconds = 0.0  # the planner's time on them
@@ -157,8 +157,8 @@ class NativeBudget:
         self.describing = self.future is None and self.steps >= WARM_UP and due
         # (before any step is, warm-up steps are described too, for the state they find: the
         # guard of the step after them keeps the step's own bytes within what it leaves)
-        self.measuring = not self.describing and self._persistent() is None
-        if self.describing or self.measuring:
+        self.described = self.describing or self._persistent() is None
+        if self.described:
             capture.describe_next()
         followed = self._followed()
         capture.follow(None if followed is None else followed.drops)
@@ -178,7 +178,7 @@ class NativeBudget:
         it held at its peak (persistent state as the described step had it, plus what the
         step allocated beyond what was live as it began)."""
         self.steps += 1
-        d = capture.description() if self.describing or self.measuring else None
+        d = capture.description() if self.described else None
         found = None if d is None else _state_bytes(d)  # (the state this step found)
         if found is not None:
             # (the state of the steps after it: what it found, and what it left alive beyond

@@ -137,7 +137,7 @@ def _show(v: Any) -> str:
     if v is FED:
         return "a fed value"
     if type(v) is tuple:
-        if len(v) > 2 and all(x is TENSOR_ARG for x in v):
+        if len(v) > 2 and _tensor_list(v):
             return f"a list of {len(v)} tensors"
         return "[" + ", ".join(_show(x) for x in v) + "]"
     return repr(v)

@@ -684,7 +684,8 @@ class Capture {
     const auto& schema = op.schema();
     Entry e;
     e.inputs = std::move(inputs);
-    e.consts = consts_of(schema, args);
+    e.tensors = tensor_inputs(schema, args);
+    e.consts = consts_of(schema, args, e.tensors);
     e.outputs = out_metas(stack, schema.returns().size());
     for (size_t r = 0; r < schema.returns().size(); ++r) e.written.push_back(written_arg(schema, r));
     e.run_now = must_run_now(op);

@@ -79,6 +79,7 @@ struct Entry {
   // (written_arg), and whether it must run at once (must_run_now)
   std::vector<int> written;
   bool run_now = false;
+  bool tensors = false;  // the op reads tensors (tensor_inputs): its numbers count by kind
   uint64_t id = 0;  // the same id for the same arguments and outputs (a step's path names it)
 };
 
@@ -119,8 +120,7 @@ c10::IValue const_of(const c10::FunctionSchema& schema, size_t i, const c10::IVa
   return false;
 }
 
-std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, Args args) {
-  const bool tensors = tensor_inputs(schema, args);
+std::vector<c10::IValue> consts_of(const c10::FunctionSchema& schema, Args args, bool tensors) {
   std::vector<c10::IValue> out;
   out.reserve(args.size());
   for (size_t i = 0; i < args.size(); ++i) out.push_back(const_of(schema, i, args[i], tensors));
@@ -180,9 +180,9 @@ bool matches(const Entry& e, const c10::FunctionSchema& schema, Args args) {
     if (!same) return false;
   }
   if (k != e.inputs.size()) return false;
-  const bool tensors = tensor_inputs(schema, args);
+  // (e.tensors: where the entry's tensor arguments are, so are these, the inputs having matched)
   for (size_t i = 0; i < args.size(); ++i)
-    if (!has_tensor(args[i]) && !same_const(const_of(schema, i, args[i], tensors), e.consts[i])) return false;
+    if (!has_tensor(args[i]) && !same_const(const_of(schema, i, args[i], e.tensors), e.consts[i])) return false;
   return true;
 }
 
