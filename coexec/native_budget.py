@@ -98,10 +98,15 @@ def plan_native_budget(d: StepDescription, budget: int, time_limit: float = 10.0
         values = [v for sid in sids for v in values_of.get(sid, ())]
         keep.update(values)
         after.setdefault(place, []).extend(values)
+    value_bytes = [0] * (1 + max((v for o in d.ops for v, _ in o.values), default=-1))
+    for o in d.ops:
+        for value, sid in o.values:
+            value_bytes[value] = d.storage_bytes[sid]
     drops = DropPlan(
         tuple(0 if o.at_once else o.op_id for o in d.ops),
         frozenset(keep),
         {place: tuple(vs) for place, vs in after.items()},
+        tuple(value_bytes),
     )
     base = replay(g, plan.order, check_order=False)
     return NativeBudgetPlan(

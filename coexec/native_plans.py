@@ -7,7 +7,8 @@ takes the planner's Python, which would share the GIL with the steps here); the 
 plan arrives follow it (``Capture.follow``). A step that leaves the plan's path (another op
 where the plan expects one) is counted; after two such steps in a row, one is described again
 and planned anew, at most every 16 steps. Where sizes change (a length drawn per step) a plan
-made at one size is followed at the others (its path is its ops): a step that follows it and
+made at one size is followed at the others (its path is its ops): a step that makes a value
+larger than the planned step's (the capture stops following the plan there) or follows it and
 holds more than 5% above its planned peak has outgrown it, and the next step is described; the
 steps after it follow no plan until the larger step's arrives (a plan made at smaller sizes,
 followed beside the guard at larger ones, left the guard values it could not drop: steps 7-9%
@@ -196,9 +197,11 @@ class NativeBudget:
             self.growing = self.outgrown
             self.outgrown = False
         elif self._followed() is not None:
-            # (a step off the plan's path: other ops, or other sizes, than the step planned)
-            self.unfollowed = 0 if capture.followed else self.unfollowed + 1
-            self.unplannable = 0 if capture.followed else self.unplannable + 1
+            # (a step off the plan's path: other ops than the step planned; one that grew past
+            # its sizes stopped following it too, and is outgrown below)
+            on_path = capture.followed or capture.outgrew
+            self.unfollowed = 0 if on_path else self.unfollowed + 1
+            self.unplannable = 0 if on_path else self.unplannable + 1
         if self.unplannable >= UNPLANNABLE and not self.warned:
             self.warned = True
             self._warn_unplanned()
@@ -211,9 +214,11 @@ class NativeBudget:
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
         if persistent is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
-        if followed is not None and capture.followed and not self.describing:
-            # (it grew past the plan: the next step is described, a plan for larger sizes may be due)
-            self.outgrown = self.outgrown or stats.peak_bytes > followed.planned_peak * OUTGROWN
+        if followed is not None and not self.describing:
+            # (it grew past the plan, a value larger than planned or more held: the next step is
+            # described, a plan for larger sizes may be due)
+            grew = capture.outgrew or (capture.followed and stats.peak_bytes > followed.planned_peak * OUTGROWN)
+            self.outgrown = self.outgrown or grew
 
     def _followed(self) -> NativeBudgetPlan | None:
         """The plan steps follow: the plan in use, unless steps outgrew it (``growing``: the

@@ -144,7 +144,7 @@ class Capture:
         if plan is None:
             self._c.clear_drops()
         else:
-            self._c.set_drops(list(plan.ops), sorted(plan.keep), sorted(plan.after.items()))
+            self._c.set_drops(list(plan.ops), sorted(plan.keep), sorted(plan.after.items()), list(plan.value_bytes))
 
     def guard(self, cap: int) -> None:
         """Keep the next steps' ops within ``cap`` live bytes of the CPU allocator
@@ -158,6 +158,12 @@ class Capture:
     def followed(self) -> bool:
         """Did the last step follow its memory plan to its end?"""
         return self._c.followed
+
+    @property
+    def outgrew(self) -> bool:
+        """Did the last step stop following its memory plan because it made a value larger than
+        the planned step did (its sizes grew past the plan's)?"""
+        return self._c.outgrew
 
     @property
     def backward_why(self) -> str:

@@ -43,10 +43,13 @@ class StepDescription:
 class DropPlan:
     """A memory plan the worker follows (``native/capture_worker.h``, ``Drops``): after the op
     at place ``p`` it frees the values ``after[p]``, and makes each again from its kept producer
-    when it is next read. A step that meets another op than ``ops[place]`` stops following it
-    there (what it dropped is still made again when read), so a plan changes when memory is
+    when it is next read. A step that meets another op than ``ops[place]``, or makes a value
+    larger than ``value_bytes`` says, stops following it there (what it dropped is still made again when read), so a plan changes when memory is
     held, never a value."""
 
     ops: tuple[int, ...]  # per place: the op id expected there (0: an op run at once)
     keep: frozenset[int]  # values whose producers are kept (the values dropped, and their views)
     after: Mapping[int, tuple[int, ...]]  # place -> values dropped after the op there
+    # per value number, its storage's bytes in the planned step (0 or absent: not known): a step
+    # that makes a value larger than this has grown past the plan and stops following it there
+    value_bytes: tuple[int, ...] = ()

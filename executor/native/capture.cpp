@@ -324,11 +324,13 @@ class Capture {
   }
 
   // Follow this memory plan from the next step on (see Drops): per place the op id expected
-  // there (0: an op that ran at once), the values whose producers are kept, and per place the
-  // values dropped after it.
+  // there (0: an op that ran at once), the values whose producers are kept, per place the
+  // values dropped after it, and per value its bytes in the planned step.
   void set_drops(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
-                 const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after) {
+                 const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
+                 const std::vector<int64_t>& value_bytes) {
     auto d = std::make_shared<Drops>();
+    d->value_bytes = value_bytes;
     for (int64_t id : ops) d->ops.push_back(reinterpret_cast<const c10::OperatorHandle*>(id));
     for (int64_t n : keep) {
       if (n < 0) continue;
@@ -351,6 +353,8 @@ class Capture {
 
   // Did the last step follow its memory plan to its end (false: it met another op first, or had none)?
   bool followed() const { return followed_; }
+  // Did it stop following because a value was larger than the planned step's (its sizes grew)?
+  bool outgrew() const { return outgrew_; }
 
   bool stepping() const { return g_active.load() == this; }
 
@@ -443,7 +447,7 @@ class Capture {
   std::vector<std::optional<at::Tensor>> grads_;  // (take_grads)
   // memory plans
   std::shared_ptr<const Drops> drops_;
-  bool describe_next_ = false, describing_ = false, followed_ = false;
+  bool describe_next_ = false, describing_ = false, followed_ = false, outgrew_ = false;
   std::vector<uint64_t> alive_;  // (described) values Python held at the step's end
   struct Recording {
     Block block;
@@ -548,6 +552,7 @@ class Capture {
     });
     if (worker_) {
       followed_ = worker_->followed();
+      outgrew_ = worker_->outgrew();
       worker_->end_step();
     }
     g_describing.store(false);
@@ -705,12 +710,25 @@ class Capture {
   // A call at `key` that no variant there matches (a new size), answered by the shape oracle
   // (capture_shapes.h) as a new variant; null where it cannot (the op runs at once).
   const Entry* shape(const c10::OperatorHandle& op, const Key& key, Args args) {
-    torch::jit::Stack out;
-    if (!shape_outputs(op, args, out, included_before_)) return nullptr;
-    std::vector<TensorMeta> inputs;
-    input_metas(args, inputs);
-    ++shaped_;
-    return &fill(op, key, args, std::move(inputs), out);
+    StandInRoom room;  // (under a budget's guard: room for the stand-ins the oracle may make)
+    if (worker_ && cap_ > 0)
+      room = [this](int64_t need) {
+        if (worker_->reserve_for_stand_ins(need)) return;
+        drain();
+        worker_->make_room_for_stand_ins();
+      };
+    const Entry* made = nullptr;
+    {
+      torch::jit::Stack out;
+      if (shape_outputs(op, args, out, included_before_, room)) {
+        std::vector<TensorMeta> inputs;
+        input_metas(args, inputs);
+        ++shaped_;
+        made = &fill(op, key, args, std::move(inputs), out);
+      }
+    }
+    if (room) worker_->reserve_for_stand_ins(0);  // (the stand-ins' outputs are gone)
+    return made;
   }
 
   void run_now(const c10::OperatorHandle& op, const Key& key, Args args,
@@ -1339,6 +1357,7 @@ void bind_capture(py::module_& m) {
       .def("clear_drops", &Capture::clear_drops)
       .def("guard", &Capture::guard)
       .def_property_readonly("followed", &Capture::followed)
+      .def_property_readonly("outgrew", &Capture::outgrew)
       .def_property_readonly("backward_why", &Capture::backward_why)
       .def_property_readonly("stepping", &Capture::stepping)
       .def_property_readonly("counters", &Capture::counters)

@@ -33,12 +33,14 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "capture_cache.h"
 #include "capture_placeholders.h"
+#include "cpu_bytes.h"
 
 namespace coexec {
 namespace {
@@ -78,6 +80,11 @@ struct OpWay {
   int64_t tried = 0, answered = 0;  // top-level calls: an op never answered stops being tried
   bool stand_ins = false;  // whether it may run on stand-ins (stand_in_outputs)
   int generator = -1;  // a random op's Generator argument (stand-ins: a generator of its own)
+  // the most bytes its stand-ins held at once per byte of arguments (their outputs' too): what a
+  // budget's guard keeps room for before the next (2: the outputs as large as the arguments)
+  double stand_in_ratio = 2.0;
+  // the same for the oracle (a composite kernel's factory calls allocate: 0 for most ops)
+  double shaped_ratio = 0.0;
 };
 
 // The registration line of dispatch key `key` in the op's dump ("" if none; "Meta (inactive)"
@@ -295,47 +302,81 @@ at::Tensor stand_in(const at::Tensor& t) {
 // here and the op runs at once.
 constexpr int64_t kStandInBytes = 1 << 20;  // the most bytes of arguments made as stand-ins for one op
 
-bool stand_in_outputs(const OpWay& w, const c10::OperatorHandle& op, Args args, torch::jit::Stack& out,
-                      c10::DispatchKeySet included) {
-  if (!w.stand_ins) return false;
-  // (bigger arguments: the op's compute twice, here and on the worker, against once at once)
+// The bytes of storage the tensors among `args` reach.
+int64_t args_bytes(Args args) {
   int64_t bytes = 0;
   for (const c10::IValue& a : args)
     each_tensor(a, [&bytes](const at::Tensor& t) {
       if (t.defined()) bytes += reached_bytes(t);
     });
+  return bytes;
+}
+
+// `ratio`: the most real bytes answering an op held at once per byte of its arguments.
+void learn_ratio(double& ratio, int64_t held, Args args) {
+  if (held <= 0) return;
+  const int64_t bytes = args_bytes(args);
+  if (bytes > 0) ratio = std::max(ratio, static_cast<double>(held) / static_cast<double>(bytes));
+}
+
+// Told the bytes of real tensors that answering an op is about to hold on the step's thread (the
+// stand-ins, a composite kernel's factory calls; 0 once they are gone): a budget's guard keeps
+// room for them beside the worker's (Capture::shape, Worker::reserve_for_stand_ins).
+using StandInRoom = std::function<void(int64_t)>;
+
+bool stand_in_outputs(OpWay& w, const c10::OperatorHandle& op, Args args, torch::jit::Stack& out,
+                      c10::DispatchKeySet included, const StandInRoom& room) {
+  if (!w.stand_ins) return false;
+  // (bigger arguments: the op's compute twice, here and on the worker, against once at once)
+  const int64_t bytes = args_bytes(args);
   if (bytes > kStandInBytes) return false;
-  try {
-    at::AutoDispatchBelowADInplaceOrView below;
-    c10::impl::ForceDispatchKeyGuard off(included, c10::impl::tls_local_dispatch_key_set().excluded_);
-    for (const c10::IValue& a : args) out.push_back(map_tensors(a, stand_in));
-    if (w.generator >= 0) out[w.generator] = at::detail::createCPUGenerator();
-    op.callBoxed(out);
-  } catch (const std::exception&) {
-    out.clear();
-    return false;
+  if (room) room(static_cast<int64_t>(w.stand_in_ratio * static_cast<double>(bytes)) + 4096);
+  bool answered = true;
+  {
+    NestedCPUBytesWindow held;  // (what they held at most, the kernel's outputs included)
+    try {
+      at::AutoDispatchBelowADInplaceOrView below;
+      c10::impl::ForceDispatchKeyGuard off(included, c10::impl::tls_local_dispatch_key_set().excluded_);
+      for (const c10::IValue& a : args) out.push_back(map_tensors(a, stand_in));
+      if (w.generator >= 0) out[w.generator] = at::detail::createCPUGenerator();
+      op.callBoxed(out);
+    } catch (const std::exception&) {
+      out.clear();
+      answered = false;
+    }
+    learn_ratio(w.stand_in_ratio, held.peak(), args);
   }
-  return true;
+  if (room && !answered) room(0);  // (else once the caller has read the outputs and let them go)
+  return answered;
 }
 
 // What `op` makes from `args`, computed without the worker, on `out` (its returns), or false:
 // by the oracle where it answers, else by running the kernel on stand-ins.
-bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included) {
+bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included,
+                   const StandInRoom& room) {
   if (g_shapes_broken.load(std::memory_order_relaxed)) return false;
   OpWay& w = way_of(op);
   if (w.way != Way::kNone && (w.answered > 0 || w.tried < kTriesUnanswered)) {
     ++w.tried;
+    // (a composite kernel's factory calls, `zeros` in select_backward, skip the capture's key:
+    // real tensors, allocated here beside the worker; a guard keeps room for what they held)
+    const int64_t bytes = room && w.shaped_ratio > 0 ? args_bytes(args) : 0;
+    if (bytes > 0) room(static_cast<int64_t>(w.shaped_ratio * static_cast<double>(bytes)) + 4096);
+    NestedCPUBytesWindow held;
     try {
       ShapeScope scope;
       for (const c10::IValue& a : args) out.push_back(map_tensors(a, as_shape));
       shape_call(op, &out);
       ++w.answered;
+      learn_ratio(w.shaped_ratio, held.peak(), args);
       return true;
     } catch (const std::exception&) {  // (NotShaped; c10::Error: a kernel read data, a check failed)
       out.clear();
     }
+    learn_ratio(w.shaped_ratio, held.peak(), args);
+    if (bytes > 0) room(0);
   }
-  return stand_in_outputs(w, op, args, out, included);
+  return stand_in_outputs(w, op, args, out, included, room);
 }
 
 }  // namespace

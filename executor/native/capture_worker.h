@@ -233,13 +233,15 @@ class StepLog {
 
 // A memory plan for a path (made from a described step): per place, the op expected there (null:
 // one that ran at once), which values (by number in the step) keep the op that made them, and
-// after which place which of them are dropped. A step that meets another op than the plan's
+// after which place which of them are dropped. A step that meets another op than the plan's, or
+// a value larger than the planned step's (its sizes grew: the plan's drops were chosen for less),
 // stops following it there; what it dropped is made again when read, so a plan never changes a
 // value, only when memory is held.
 struct Drops {
   std::vector<const c10::OperatorHandle*> ops;
   std::vector<uint8_t> keep;  // per value number
   std::vector<std::pair<int64_t, std::vector<uint32_t>>> after;  // (place, values), ascending
+  std::vector<int64_t> value_bytes;  // per value number: its storage's bytes in the planned step (0: not known)
 };
 
 // The op that made a value, kept to make it again: the taped op, holding its inputs (not its
@@ -473,6 +475,7 @@ class Worker final : public RoomMaker {
   void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value, int64_t cap) {
     drops_ = std::move(drops);
     following_ = drops_ != nullptr;
+    outgrew_ = false;
     next_drop_ = 0;
     first_value_ = first_value;
     kept_.clear();
@@ -506,6 +509,8 @@ class Worker final : public RoomMaker {
 
   // Did the step follow its plan to the end? Values dropped so far.
   bool followed() const { return following_; }
+  // Did it stop following because a value was larger than the planned step's (sizes grew)?
+  bool outgrew() const { return outgrew_; }
   int64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
   // Values the guard dropped so far (Worker::make_room), and times it could not drop enough.
   int64_t evicted() const { return evicted_.load(std::memory_order_relaxed); }
@@ -546,6 +551,8 @@ class Worker final : public RoomMaker {
   // the step's memory plan (Drops), as the worker follows it
   std::shared_ptr<const Drops> drops_;
   bool following_ = false;
+  bool outgrew_ = false;
+  std::atomic<int64_t> making_{0};  // bytes the op in flight may make (make_room; reserve_for_stand_ins)
   size_t next_drop_ = 0;
   uint64_t first_value_ = 0;
   std::unordered_map<uint32_t, std::weak_ptr<Slot>> kept_;  // by value number: a value with a recipe
@@ -664,6 +671,19 @@ class Worker final : public RoomMaker {
       following_ = false;  // (another path: what was dropped is made again when read)
       return;
     }
+    for (const auto& s : e.out_slots) {
+      // (a value larger than planned: the guard alone holds the step from here. The plan's
+      // drops, followed beside the guard at larger sizes, left it values to make again in
+      // chains: a batch grown 67% past the planned one went up to 9% over its budget)
+      if (!s || s->id < first_value_ || !s->real.defined()) continue;
+      const uint64_t n = s->id - first_value_;
+      if (n < d.value_bytes.size() && d.value_bytes[n] > 0 &&
+          static_cast<int64_t>(s->real.storage().nbytes()) > d.value_bytes[n]) {
+        following_ = false;
+        outgrew_ = true;
+        return;
+      }
+    }
     std::shared_ptr<Recipe> recipe;
     const bool remake = !e.out_slots.empty() && remakeable(*e.op);
     for (const auto& s : e.out_slots) {
@@ -741,8 +761,26 @@ class Worker final : public RoomMaker {
   // Before `e` runs (an op, or a recipe making a value again), making `need` bytes and its workspace.
   void make_room(const TapeEntry& e, int64_t need) override {
     if (auto w = workspace_.find(workspace_key(e)); w != workspace_.end()) need += w->second;
+    making_.store(need, std::memory_order_seq_cst);  // (until it ran: reserve_for_stand_ins)
     evict(need, &e);
   }
+
+ public:
+  // The shape oracle's stand-ins are about to hold `need` bytes on the step's thread (0: they
+  // are gone), allocated beside the worker's count: with them, steps of a random-length
+  // transformer went up to 6% over their budget. Reserved, the worker's evict keeps room for
+  // them from its next op on; true if they fit now beside what the allocator holds and the op
+  // the worker is making room for (a store, then a load, on each side: one of the two sees the
+  // other), else the caller drains the worker and calls make_room_for_stand_ins().
+  bool reserve_for_stand_ins(int64_t need) {
+    g_stand_in_reserved.store(need, std::memory_order_seq_cst);
+    if (need == 0 || cap_ <= 0) return true;
+    return count_cpu_bytes().live() + making_.load(std::memory_order_seq_cst) + need <= cap_;
+  }
+  // From the step's thread, the worker drained (it has nothing to run): room for the reserved.
+  void make_room_for_stand_ins() { evict(0, nullptr); }
+
+ private:
 
   // What making `s` again takes (once dropped): the bytes and time of it and of its dropped
   // inputs, to `depth`, and how long the chain of dropped values ending at it is.
@@ -788,6 +826,9 @@ class Worker final : public RoomMaker {
   // inputs (the op about to run).
   void evict(int64_t need, const TapeEntry* e) {
     CountingCPUAllocator& bytes = count_cpu_bytes();
+    // (and room for what the shape oracle's stand-ins may hold meanwhile on the step's thread:
+    // reserve_for_stand_ins)
+    need += g_stand_in_reserved.load(std::memory_order_seq_cst);
     if (cap_ <= 0 || bytes.live() + need <= cap_) return;
     const auto uses = [e](const Slot* s) {
       if (e != nullptr)
@@ -1034,6 +1075,7 @@ class Worker final : public RoomMaker {
     StepLog* log = this->log();
     if (log == nullptr) CountingCPUAllocator::open_window();  // (a described op's is the log's)
     run_entry(e, log);
+    making_.store(0, std::memory_order_relaxed);
     int64_t ws;
     if (log == nullptr) {
       const auto [peak, end] = CountingCPUAllocator::close_window();

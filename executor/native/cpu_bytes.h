@@ -25,6 +25,32 @@ struct CPUBytesWindow {
 };
 inline thread_local CPUBytesWindow t_window;
 
+// A window of this thread's allocations opened inside whatever window it has open (whose count
+// they join when it closes): what a stretch of code on the step's thread held at its most.
+class NestedCPUBytesWindow {
+ public:
+  NestedCPUBytesWindow() : outer_(t_window) { t_window = CPUBytesWindow{true, 0, 0}; }
+  ~NestedCPUBytesWindow() {
+    const CPUBytesWindow inner = t_window;
+    t_window = outer_;
+    if (outer_.open) {
+      t_window.peak = std::max(outer_.peak, outer_.live + inner.peak);
+      t_window.live += inner.live;
+    }
+  }
+  NestedCPUBytesWindow(const NestedCPUBytesWindow&) = delete;
+  NestedCPUBytesWindow& operator=(const NestedCPUBytesWindow&) = delete;
+  int64_t peak() const { return t_window.peak; }
+
+ private:
+  CPUBytesWindow outer_;
+};
+
+// Bytes the shape oracle's stand-ins (capture_shapes.h, stand_in_outputs) may hold now on the
+// step's thread (0: none), beside what the worker holds: a budget's guard keeps room for them
+// (capture_worker.h, Worker::reserve_for_stand_ins).
+inline std::atomic<int64_t> g_stand_in_reserved{0};
+
 class CountingCPUAllocator final : public c10::Allocator {
  public:
   explicit CountingCPUAllocator(c10::Allocator* base) : base_(base), cache_(base) {}

@@ -201,6 +201,7 @@ class _FakeCapture:
     def __init__(self) -> None:
         self.counters = types.SimpleNamespace(remade=0, remade_seconds=0.0, misses=0)
         self.followed = False
+        self.outgrew = False  # (a step that made a value larger than the plan's)
         self.described = 0
         self.cap = None
 
@@ -230,9 +231,12 @@ class _FakeCpu:
         return self.live, self.peak
 
 
-def _fake_step(b, capture: _FakeCapture, cpu: _FakeCpu, held: int):
-    """A step of NativeBudget ``b`` on the fakes that held ``held`` bytes: its stats."""
+def _fake_step(b, capture: _FakeCapture, cpu: _FakeCpu, held: int, outgrew: bool = False):
+    """A step of NativeBudget ``b`` on the fakes that held ``held`` bytes (``outgrew``: it made a
+    value larger than the plan's, and stopped following it there): its stats."""
     b.before(capture, cpu)
+    capture.outgrew = outgrew and capture.followed
+    capture.followed = capture.followed and not outgrew
     cpu.peak = held
     stats = types.SimpleNamespace(peak_bytes=0, planned_peak_bytes=None, recomputed_ops=0,
                                   recompute_seconds=0.0, over_budget_steps=0)  # fmt: skip
@@ -291,6 +295,40 @@ def test_the_plan_in_use_is_the_largest_steps_described(monkeypatch) -> None:
     assert step(50).planned_peak_bytes == 95  # plan 3, of a smaller step, left unused
 
 
+def test_a_step_that_made_a_larger_value_than_planned_has_the_next_described(monkeypatch) -> None:
+    """A step that stopped following the plan at a value larger than the planned step's (the
+    capture's ``outgrew``) grew past it, whatever it held: the next step is described, the steps
+    until its plan arrives follow none (the guard alone holds them), and it does not count as a
+    step off the plan's path."""
+    from concurrent.futures import Future
+
+    from coexec import native_plans
+
+    plans = iter([_plan(150, 90), _plan(200, 95)])
+    waiting: list[Future] = []
+
+    def submit(description, budget):
+        f: Future = Future()
+        waiting.append(f)
+        return f
+
+    monkeypatch.setattr(native_plans, "_submit", submit)
+    b = native_plans.NativeBudget(100, "here")
+    capture, cpu = _FakeCapture(), _FakeCpu()
+    for _ in range(native_plans.WARM_UP + 1):
+        _fake_step(b, capture, cpu, 140)
+    waiting.pop().set_result(next(plans))
+    assert _fake_step(b, capture, cpu, 90).planned_peak_bytes == 90 and capture.followed
+    _fake_step(b, capture, cpu, 80, outgrew=True)  # (held less than planned: the sizes grew all the same)
+    assert b.unfollowed == 0
+    described = capture.described
+    _fake_step(b, capture, cpu, 100)
+    assert capture.described == described + 1
+    assert _fake_step(b, capture, cpu, 100).planned_peak_bytes is None  # (the guard alone until the plan)
+    waiting.pop().set_result(next(plans))
+    assert _fake_step(b, capture, cpu, 95).planned_peak_bytes == 95 and capture.followed
+
+
 def test_state_a_first_step_makes_counts_as_state_for_the_steps_after_it() -> None:
     """An optimizer's state is made in the first step: the step found 10 bytes of state and
     left 40 more alive, so the next step's guard leaves the budget less 50 for its own bytes
@@ -332,8 +370,9 @@ def one_thread():
 
 def test_steps_larger_than_any_planned_stay_within_the_budget(one_thread) -> None:
     """Sizes that grow after the described step (batches of 192 rows, then 320: larger than any
-    described or planned, 25% over the budget unguarded): from the first step on, the guard (``Capture.guard``) holds every step but one within 2% of the budget, before
-    the plan arrives and after (issue 17), bit-equal to eager. (Where the worker ran right behind
+    described or planned, 25% over the budget unguarded): from the first step on, the guard
+    (``Capture.guard``) holds every step within 2% of the budget, before the plan arrives and
+    after (issue 17), bit-equal to eager. (Where the worker ran right behind
     the skeleton's gradient block, values the block's issuing still held stayed after their last
     read and a step went up to 2x over, about one step in 150: ``Capture::issue_block``.)"""
     native.wait()  # (while the module loads, steps run eagerly and measure no peak)
@@ -355,13 +394,12 @@ def test_steps_larger_than_any_planned_stay_within_the_budget(one_thread) -> Non
         assert torch.equal(got, expected), f"step {i}"
         held.append(tape.stats.peak_bytes / budget)
     # (unguarded, these steps held 25% over. The guard counts a kernel's workspace as the most it
-    # met, and the step's thread allocates beside the worker: a step may go a little over. The
-    # first step to follow the smaller step's plan at the larger sizes, where that plan arrives
-    # among these steps, went up to 9% over: after it, the guard alone holds them until a plan
-    # for their sizes arrives)
+    # met, and a value made again for an op as its chain counted: a step may go a little over,
+    # 0.6% here at most. Where the smaller step's plan arrived among the larger steps, a step
+    # that followed it beside the guard went up to 9% over, until a step stopped following a
+    # plan at its first value larger than the planned step's)
     said = " ".join(f"{h:.3f}" for h in held)  # (in step order: a failure says which steps)
-    assert max(held) <= 1.10, said
-    assert sum(h > 1.02 for h in held) <= 1, said
+    assert max(held) <= 1.02, said
     assert coexec.runtime.capture().counters.evicted > evicted0
     for a, b in zip(eager["model"].parameters(), captured["model"].parameters()):
         assert torch.equal(a, b)

@@ -46,9 +46,10 @@ def drop_all_activations(d: StepDescription) -> DropPlan:
                 keep.add(value)
                 after.setdefault(o.place, []).append(value)
     assert keep, "no tanh in the description"
+    sizes = {value: d.storage_bytes[sid] for o in d.ops for value, sid in o.values}
     return DropPlan(
         tuple(0 if o.at_once else o.op_id for o in d.ops), frozenset(keep),
-        {p: tuple(v) for p, v in after.items()},
+        {p: tuple(v) for p, v in after.items()}, tuple(sizes.get(v, 0) for v in range(max(sizes) + 1)),
     )  # fmt: skip
 
 
@@ -174,6 +175,31 @@ def test_a_step_on_another_path_leaves_the_plan_bit_equal() -> None:
     loss, hs = tanh_chain(x, w, depth=2)
     assert torch.equal(got[0], loss + hs[0].sum())
     assert not capture.followed
+
+
+def test_a_step_larger_than_the_planned_one_stops_following_at_its_first_larger_value() -> None:
+    """A plan's drops are chosen for the planned step's sizes: a step whose values are larger
+    (more rows) stops following it at the first such value, and says so (``outgrew``: a budget's
+    guard alone holds it, and the next step is described); a smaller step follows it to the end."""
+    torch.manual_seed(0)
+    w, xs = torch.randn(8, 8), {rows: torch.randn(rows, 8) for rows in (4, 8, 16)}
+    capture = Capture()
+    got: list[torch.Tensor] = []
+
+    def step(rows: int) -> None:
+        loss, hs = tanh_chain(xs[rows], w)
+        got.append(loss + hs[0].sum())
+
+    capture.follow(drop_all_activations(described(capture, lambda i: step(8))))
+    for rows, follows, drops in ((16, False, 0), (4, True, 4), (8, True, 4)):
+        got.clear()
+        before = capture.counters.dropped
+        with capture.step():
+            step(rows)
+        loss, hs = tanh_chain(xs[rows], w)
+        assert torch.equal(got[0], loss + hs[0].sum()), rows
+        assert (capture.followed, capture.outgrew) == (follows, not follows), rows
+        assert capture.counters.dropped - before == drops, rows
 
 
 def test_a_plan_for_a_budget_holds_the_step_within_it() -> None:
