@@ -761,7 +761,9 @@ class Worker final : public RoomMaker {
   // Before `e` runs (an op, or a recipe making a value again), making `need` bytes and its workspace.
   void make_room(const TapeEntry& e, int64_t need) override {
     if (auto w = workspace_.find(workspace_key(e)); w != workspace_.end()) need += w->second;
-    making_.store(need, std::memory_order_seq_cst);  // (until it ran: reserve_for_stand_ins)
+    // (until the op ran: reserve_for_stand_ins; a value made again inside an op keeps the op's
+    // larger count, the op's own bytes still to come)
+    if (need > making_.load(std::memory_order_relaxed)) making_.store(need, std::memory_order_seq_cst);
     evict(need, &e);
   }
 
