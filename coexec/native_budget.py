@@ -89,24 +89,22 @@ def plan_native_budget(d: StepDescription, budget: int, time_limit: float = 10.0
     random = {j for j, o in enumerate(d.ops) if o.random}  # (the worker does not replay generators)
     plan: RematPlan = plan_remat(g, budget, time_limit=time_limit, banned=random)
     values_of: dict[int, list[int]] = {}
+    value_bytes: dict[int, int] = {}  # (the plan's sizes: a step that makes a larger value stops following it)
     for o in d.ops:
         for value, sid in o.values:
             values_of.setdefault(sid, []).append(value)
+            value_bytes[value] = d.storage_bytes[sid]
     keep: set[int] = set()
     after: dict[int, list[int]] = {}
     for place, sids in drop_places(plan).items():
         values = [v for sid in sids for v in values_of.get(sid, ())]
         keep.update(values)
         after.setdefault(place, []).extend(values)
-    value_bytes = [0] * (1 + max((v for o in d.ops for v, _ in o.values), default=-1))
-    for o in d.ops:
-        for value, sid in o.values:
-            value_bytes[value] = d.storage_bytes[sid]
     drops = DropPlan(
         tuple(0 if o.at_once else o.op_id for o in d.ops),
         frozenset(keep),
         {place: tuple(vs) for place, vs in after.items()},
-        tuple(value_bytes),
+        tuple(value_bytes.get(v, 0) for v in range(1 + max(value_bytes, default=-1))),
     )
     base = replay(g, plan.order, check_order=False)
     return NativeBudgetPlan(

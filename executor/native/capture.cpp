@@ -710,25 +710,18 @@ class Capture {
   // A call at `key` that no variant there matches (a new size), answered by the shape oracle
   // (capture_shapes.h) as a new variant; null where it cannot (the op runs at once).
   const Entry* shape(const c10::OperatorHandle& op, const Key& key, Args args) {
-    StandInRoom room;  // (under a budget's guard: room for the stand-ins the oracle may make)
-    if (worker_ && cap_ > 0)
-      room = [this](int64_t need) {
-        if (worker_->reserve_for_stand_ins(need)) return;
-        drain();
-        worker_->make_room_for_stand_ins();
-      };
-    const Entry* made = nullptr;
-    {
-      torch::jit::Stack out;
-      if (shape_outputs(op, args, out, included_before_, room)) {
-        std::vector<TensorMeta> inputs;
-        input_metas(args, inputs);
-        ++shaped_;
-        made = &fill(op, key, args, std::move(inputs), out);
-      }
-    }
-    if (room) worker_->reserve_for_stand_ins(0);  // (the stand-ins' outputs are gone)
-    return made;
+    // (under a budget's guard: room for what answering it holds here, released after `out`)
+    AnswerRoom room(worker_ && cap_ > 0 ? AnswerRoom::Reserve([this](int64_t need) {
+      if (worker_->reserve_for_stand_ins(need)) return;
+      drain();
+      worker_->make_room_for_stand_ins();
+    }) : AnswerRoom::Reserve());
+    torch::jit::Stack out;
+    if (!shape_outputs(op, args, out, included_before_, room)) return nullptr;
+    std::vector<TensorMeta> inputs;
+    input_metas(args, inputs);
+    ++shaped_;
+    return &fill(op, key, args, std::move(inputs), out);
   }
 
   void run_now(const c10::OperatorHandle& op, const Key& key, Args args,

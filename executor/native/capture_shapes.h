@@ -313,68 +313,83 @@ int64_t args_bytes(Args args) {
 }
 
 // `ratio`: the most real bytes answering an op held at once per byte of its arguments.
-void learn_ratio(double& ratio, int64_t held, Args args) {
-  if (held <= 0) return;
-  const int64_t bytes = args_bytes(args);
-  if (bytes > 0) ratio = std::max(ratio, static_cast<double>(held) / static_cast<double>(bytes));
+void learn_ratio(double& ratio, int64_t held, int64_t bytes) {
+  if (held > 0 && bytes > 0) ratio = std::max(ratio, static_cast<double>(held) / static_cast<double>(bytes));
 }
 
-// Told the bytes of real tensors that answering an op is about to hold on the step's thread (the
-// stand-ins, a composite kernel's factory calls; 0 once they are gone): a budget's guard keeps
-// room for them beside the worker's (Capture::shape, Worker::reserve_for_stand_ins).
-using StandInRoom = std::function<void(int64_t)>;
+// Room a budget's guard keeps for the real tensors answering an op holds on the step's thread
+// (stand-ins, a composite kernel's factory calls), beside the worker's (Capture::shape,
+// Worker::reserve_for_stand_ins): reserved before they are made, released when it goes, after
+// the caller let go of the answer's outputs. Without a guard it reserves nothing.
+class AnswerRoom {
+ public:
+  using Reserve = std::function<void(int64_t)>;
+  explicit AnswerRoom(Reserve reserve) : reserve_(std::move(reserve)) {}
+  ~AnswerRoom() {
+    if (reserved_) reserve_(0);
+  }
+  AnswerRoom(const AnswerRoom&) = delete;
+  AnswerRoom& operator=(const AnswerRoom&) = delete;
+  bool active() const { return static_cast<bool>(reserve_); }
+  // Room for `ratio` bytes per byte of the `bytes` of arguments (a page more).
+  void reserve(double ratio, int64_t bytes) {
+    if (!reserve_ || ratio <= 0 || bytes <= 0) return;
+    reserve_(static_cast<int64_t>(ratio * static_cast<double>(bytes)) + 4096);
+    reserved_ = true;
+  }
+
+ private:
+  Reserve reserve_;
+  bool reserved_ = false;
+};
 
 bool stand_in_outputs(OpWay& w, const c10::OperatorHandle& op, Args args, torch::jit::Stack& out,
-                      c10::DispatchKeySet included, const StandInRoom& room) {
+                      c10::DispatchKeySet included, AnswerRoom& room) {
   if (!w.stand_ins) return false;
   // (bigger arguments: the op's compute twice, here and on the worker, against once at once)
   const int64_t bytes = args_bytes(args);
   if (bytes > kStandInBytes) return false;
-  if (room) room(static_cast<int64_t>(w.stand_in_ratio * static_cast<double>(bytes)) + 4096);
+  room.reserve(w.stand_in_ratio, bytes);
+  NestedCPUBytesWindow held;  // (what they held at most, the kernel's outputs included)
   bool answered = true;
-  {
-    NestedCPUBytesWindow held;  // (what they held at most, the kernel's outputs included)
-    try {
-      at::AutoDispatchBelowADInplaceOrView below;
-      c10::impl::ForceDispatchKeyGuard off(included, c10::impl::tls_local_dispatch_key_set().excluded_);
-      for (const c10::IValue& a : args) out.push_back(map_tensors(a, stand_in));
-      if (w.generator >= 0) out[w.generator] = at::detail::createCPUGenerator();
-      op.callBoxed(out);
-    } catch (const std::exception&) {
-      out.clear();
-      answered = false;
-    }
-    learn_ratio(w.stand_in_ratio, held.peak(), args);
+  try {
+    at::AutoDispatchBelowADInplaceOrView below;
+    c10::impl::ForceDispatchKeyGuard off(included, c10::impl::tls_local_dispatch_key_set().excluded_);
+    for (const c10::IValue& a : args) out.push_back(map_tensors(a, stand_in));
+    if (w.generator >= 0) out[w.generator] = at::detail::createCPUGenerator();
+    op.callBoxed(out);
+  } catch (const std::exception&) {
+    out.clear();
+    answered = false;
   }
-  if (room && !answered) room(0);  // (else once the caller has read the outputs and let them go)
+  learn_ratio(w.stand_in_ratio, held.peak(), bytes);
   return answered;
 }
 
 // What `op` makes from `args`, computed without the worker, on `out` (its returns), or false:
 // by the oracle where it answers, else by running the kernel on stand-ins.
 bool shape_outputs(const c10::OperatorHandle& op, Args args, torch::jit::Stack& out, c10::DispatchKeySet included,
-                   const StandInRoom& room) {
+                   AnswerRoom& room) {
   if (g_shapes_broken.load(std::memory_order_relaxed)) return false;
   OpWay& w = way_of(op);
   if (w.way != Way::kNone && (w.answered > 0 || w.tried < kTriesUnanswered)) {
     ++w.tried;
     // (a composite kernel's factory calls, `zeros` in select_backward, skip the capture's key:
     // real tensors, allocated here beside the worker; a guard keeps room for what they held)
-    const int64_t bytes = room && w.shaped_ratio > 0 ? args_bytes(args) : 0;
-    if (bytes > 0) room(static_cast<int64_t>(w.shaped_ratio * static_cast<double>(bytes)) + 4096);
+    if (room.active() && w.shaped_ratio > 0) room.reserve(w.shaped_ratio, args_bytes(args));
     NestedCPUBytesWindow held;
+    bool answered = false;
     try {
       ShapeScope scope;
       for (const c10::IValue& a : args) out.push_back(map_tensors(a, as_shape));
       shape_call(op, &out);
       ++w.answered;
-      learn_ratio(w.shaped_ratio, held.peak(), args);
-      return true;
+      answered = true;
     } catch (const std::exception&) {  // (NotShaped; c10::Error: a kernel read data, a check failed)
       out.clear();
     }
-    learn_ratio(w.shaped_ratio, held.peak(), args);
-    if (bytes > 0) room(0);
+    if (held.peak() > 0) learn_ratio(w.shaped_ratio, held.peak(), args_bytes(args));
+    if (answered) return true;
   }
   return stand_in_outputs(w, op, args, out, included, room);
 }
