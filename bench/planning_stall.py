@@ -6,8 +6,9 @@ Two programs that used to stall for seconds while the arena was re-planned after
 trace, on the step's critical path:
 
 * REINFORCE: a policy network plays episodes of random length (12-200 steps, drawn from the
-  returns so far), then one policy-gradient update; every episode length is a new trace
-  (the returns tensor has the episode's length) until ``max_traces``;
+  returns so far), then one policy-gradient update; every episode length was a new trace
+  until ``max_traces`` before gathered lists and sized nodes (issue 17); now it is one path
+  after two traces, and each new length a path that asks for no plan (docs/coexec.md);
 * LBFGS: ``optimizer.step(closure)`` on a small regression, where each step runs the closure
   up to 20 times and the optimizer reads many scalars (``.item()``) between them.
 

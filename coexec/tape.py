@@ -131,6 +131,7 @@ class Program:
         self.stats = TapeStats()
         self.capped = False
         self.paths: list[PathInput] = []  # the observed paths, as the planner takes them
+        self.shapes: set[tuple] = set()  # their loop_shape()s
         self.path_steps: list[int] = []  # per path: the step its trace came from
         self.plan: PlanRequest = PlanRequest(0, (), None, None, False)  # what the plan in use was made of
         self.needed = 0  # the number of the plan request a budgeted step waits for (plan_current)
@@ -163,6 +164,7 @@ class Program:
         into the arena (probed now, on the step's thread)."""
         self.paths.append(PathInput(trace, path_sites, writable_ops(trace)))
         self.path_steps.append(step)
+        self.shapes.add(loop_shape(path_sites))
 
     def grow_path(self, path: int, trace: Any, size: int, step: int) -> bool:
         """A covered step of planned ``path`` that allocated ``size`` bytes, more than the
@@ -1049,6 +1051,12 @@ class _Step:
                 RuntimeWarning,
                 *self.with_line,
             )
+        if not planned and program.budget is None and loop_shape(signature) in program.shapes:
+            # a loop ran another number of times than on any observed path (an episode's
+            # length): without a budget its plan would only place this step's storages in an
+            # arena and order its blocks, for a path that may never come again, while planning
+            # grows with every path; the step runs unplanned (the allocator, issue order)
+            return
         if not planned:
             program.add_path(sk.trace, signature, stats.steps - 1)
         if not planned or grew:
@@ -1141,6 +1149,12 @@ class _Step:
 def _log(program: Program, msg: str) -> None:
     n = f" program {program.index}" if program.index > 1 else ""
     print(f"coexec [{program.where}{n}]: {msg}", file=sys.stderr)
+
+
+def loop_shape(signature: tuple) -> tuple:
+    """A path's nodes in the order first run: equal for paths that differ only in how many
+    times their loops ran."""
+    return tuple(dict.fromkeys(site.node for site in signature))
 
 
 def _allocated_bytes(trace: Any) -> int:

@@ -25,6 +25,7 @@ outputs are the op's own at each step: recorded, or worked out without running i
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple
 from . import reasons
 from .location import CODES
 from .reasons import NotCovered
-from .schema import FED, VALUE, TensorMeta, is_number_like, schema_of
+from .schema import FED, GATHERED, TENSOR_ARG, TENSOR_LIST, VALUE, TensorMeta, is_number_like, list_spans, schema_of
 from .structure import LoopKey, LoopTracker, in_order
 from .trace import Fetch, OpKey, OpRecord, Trace
 
@@ -54,7 +55,7 @@ class Node:
     __slots__ = (
         "id", "kind", "region", "key", "sources", "promoted", "out_metas", "body", "trips",
         "visits", "fetches", "enter_sources", "label", "out_alias", "n_returned", "out_struct",
-        "match_cache", "sized", "inferred",
+        "match_cache", "sized", "gathers", "inferred",
     )  # fmt: skip
 
     def __init__(self, nid: int, kind: str, region: "Region", key: Any = None) -> None:
@@ -66,6 +67,7 @@ class Node:
         self.promoted: frozenset[int] = frozenset()  # attribute positions that are fed
         self.out_metas: tuple[TensorMeta, ...] = ()  # as first seen (sized: not this step's)
         self.sized = False  # tensor sizes and strides vary: matched without them, bound per step
+        self.gathers = False  # its key has a run of a loop's values in a list (_gather)
         # did outputs worked out without running the op (``infer``) match what it made? None:
         # not yet checked against a run (the user of ``infer`` checks it and sets this)
         self.inferred: bool | None = None
@@ -158,10 +160,76 @@ _UNKNOWN = object()
 _BOUND_MAX = 1 << 14
 
 
+_LISTS: dict[Any, bool] = {}
+
+
+def _takes_lists(func: Any) -> bool:
+    found = _LISTS.get(func)
+    if found is None:
+        found = _LISTS[func] = TENSOR_LIST in schema_of(func).kinds
+    return found
+
+
+def _gather(key: OpKey, srcs: tuple, inputs: tuple) -> tuple[OpKey, tuple, tuple]:
+    """The op as a node takes it: in each tensor-list argument, a run of elements made by one
+    node of a nested loop (each iteration's, ``torch.stack(log_probs)``) is one input with that
+    source, ``(GATHERED, length)`` in the key, so that an episode of 12 steps and one of 200
+    differ only in a length, which sizes the node like a size (:func:`_index_key` and a sized
+    node's match leave it out). Returns ``(key, sources, input values)``."""
+    spans = list_spans(key.func, key.attrs)
+    if not spans:
+        return key, srcs, inputs
+    attrs, metas = list(key.attrs), key.metas
+    out_srcs, out_metas, out_inputs, at, gathered = [], [], [], 0, False
+    for p, start, end in spans:
+        out_srcs += srcs[at:start]
+        out_metas += metas[at:start]
+        out_inputs += inputs[at:start]
+        shape, elements = [], iter(range(start, end))
+        prev = None
+        for a in key.attrs[p]:
+            if a is not TENSOR_ARG:
+                shape.append(a)
+                prev = None
+                continue
+            i = next(elements)
+            s = srcs[i]
+            if prev is not None and s == srcs[prev] and sizeless(metas[i]) == sizeless(metas[prev]):
+                shape[-1] = (GATHERED, shape[-1][1] + 1)  # the run goes on
+                continue
+            if s[0] == "loop":
+                shape.append((GATHERED, 1))
+                prev, gathered = i, True
+            else:
+                shape.append(a)
+                prev = None
+            out_srcs.append(s)
+            out_metas.append(metas[i])
+            out_inputs.append(inputs[i])
+        attrs[p] = tuple(shape)
+        at = end
+    out_srcs += srcs[at:]
+    out_metas += metas[at:]
+    out_inputs += inputs[at:]
+    if not gathered:
+        return key, srcs, inputs
+    return OpKey(key.func, tuple(attrs), tuple(out_metas), key.loc), tuple(out_srcs), tuple(out_inputs)
+
+
+def _lengthless(attrs: tuple) -> tuple:
+    """A gathered key's arguments without the runs' lengths (see :func:`_gather`)."""
+    return tuple(
+        tuple(GATHERED if type(x) is tuple and x and x[0] is GATHERED else x for x in a) if type(a) is tuple else a
+        for a in attrs
+    )
+
+
 def _index_key(key: OpKey) -> tuple:
     """The op key with every promotable argument erased and its tensors' sizes and strides
     left out: finds nodes that differ only there (fed numbers, sizes)."""
     attrs = key.attrs
+    if _takes_lists(key.func):
+        attrs = _lengthless(attrs)
     prom = schema_of(key.func).promotable
     if prom:
         attrs = list(attrs)
@@ -504,35 +572,40 @@ class Cursor:
     ) -> Node:
         srcs = tuple(self.source(v, ctx) for v in rec.inputs)
         cache_key = (rec.key, srcs)
+        key, inputs = rec.key, rec.inputs
+        if _takes_lists(key.func):
+            key, srcs, inputs = _gather(key, srcs, inputs)
         hit = cur.match_cache.get(cache_key)
         if hit is not None:
-            return self.visit(hit, rec, ctx)
+            return self.visit(hit, rec, ctx, inputs)
         children = region.succ[cur]
         for child in children:
-            if child.kind == OP and self.same(child, rec.key, srcs, ctx) and self.sizes_hold(child, rec, infer):
+            if child.kind == OP and self.same(child, key, srcs, ctx) and self.sizes_hold(child, rec, infer):
                 if not self.mutate and not child.promoted and not child.sized and all(len(a) == 1 for a in child.sources):
                     cur.match_cache[cache_key] = child
-                return self.visit(child, rec, ctx)
+                return self.visit(child, rec, ctx, inputs)
         if not self.mutate:
-            raise NotCovered(reasons.op_reason(self, region, cur, rec, srcs, ctx))
+            as_node = rec if key is rec.key else dataclasses.replace(rec, key=key, inputs=inputs)
+            raise NotCovered(reasons.op_reason(self, region, cur, as_node, srcs, ctx))
         out_metas = tuple(self.t.values[v].meta for v in rec.outputs)
         for child in children:
-            if child.kind == OP and self.generalize(child, rec.key, srcs, out_metas, ctx, True):
-                return self.visit(child, rec, ctx)
-        for cand in region.index.get(_index_key(rec.key), ()):
+            if child.kind == OP and self.generalize(child, key, srcs, out_metas, ctx, True):
+                return self.visit(child, rec, ctx, inputs)
+        for cand in region.index.get(_index_key(key), ()):
             if cand in children or region.reaches(cand, cur):
                 continue  # merging back there would make a cycle
-            if (self.same(cand, rec.key, srcs, ctx) and self.sizes_hold(cand, rec, None)) or self.generalize(
-                cand, rec.key, srcs, out_metas, ctx, False
+            if (self.same(cand, key, srcs, ctx) and self.sizes_hold(cand, rec, None)) or self.generalize(
+                cand, key, srcs, out_metas, ctx, False
             ):
-                return self.visit(cand, rec, ctx)
-        node = self.add_node(region, OP, rec.key, _index_key(rec.key))
+                return self.visit(cand, rec, ctx, inputs)
+        node = self.add_node(region, OP, key, _index_key(key))
         node.sources = tuple((s,) for s in srcs)
         node.out_metas = out_metas
         node.out_alias = rec.out_alias
         node.n_returned = rec.n_returned
         node.out_struct = rec.out_struct
-        return self.visit(node, rec, ctx)
+        node.gathers = key is not rec.key
+        return self.visit(node, rec, ctx, inputs)
 
     def source(self, vid: int, ctx: Ctx) -> Source:
         value = self.t.values[vid]
@@ -547,12 +620,14 @@ class Cursor:
         # made inside a loop nested here (in its last iteration that ran the producer)
         return ("loop", pctx[depth][0], node.id, value.out_index)
 
-    def visit(self, node: Node, rec: OpRecord, ctx: Ctx) -> Node:
+    def visit(self, node: Node, rec: OpRecord, ctx: Ctx, inputs: tuple) -> Node:
+        """``inputs``: the op's input values as the node takes them (a gathered run as its
+        first element, :func:`_gather`)."""
         self.placed[rec.index] = (node, ctx)
         if self.mutate:
             self.bump_visits(node)
             if ctx:
-                self.note_enter_sources(node, rec, ctx)
+                self.note_enter_sources(node, inputs, ctx)
         self.ran(node, ctx)
         return node
 
@@ -603,7 +678,10 @@ class Cursor:
             return False
         mine = node.key
         if mine != key and not (
-            node.sized and mine.attrs == key.attrs and mine.loc == key.loc and same_but_sizes(mine.metas, key.metas)
+            node.sized
+            and (mine.attrs == key.attrs or (node.gathers and _lengthless(mine.attrs) == _lengthless(key.attrs)))
+            and mine.loc == key.loc
+            and same_but_sizes(mine.metas, key.metas)
         ):  # (the ops are one: checked above)
             return False
         return all(self.resolves(alts, s, ctx) for alts, s in zip(node.sources, srcs))
@@ -779,10 +857,10 @@ class Cursor:
 
         self._undo.append(undo)
 
-    def note_enter_sources(self, node: Node, rec: OpRecord, ctx: Ctx) -> None:
+    def note_enter_sources(self, node: Node, inputs: tuple, ctx: Ctx) -> None:
         """Remember where each ENTER input came from: lowering a loop needs the carried
         dataflow (``("back", level, distance, node, output)`` or ``("outer", node, output)``)."""
-        for i, vid in enumerate(rec.inputs):
+        for i, vid in enumerate(inputs):
             if node.sources[i] != (ENTER,):
                 continue
             desc = self.describe_enter(vid, ctx)

@@ -27,8 +27,11 @@ BWD = -2  # the backward region starts; the forward location follows, with offse
 BSUB = -3  # index of an ATen op within one autograd node
 ACC = -4  # gradient accumulation into a leaf tensor
 UNKNOWN = -5  # an autograd node created outside the recording
+# the gradient of a list taken from a loop's iterations (``torch.stack(log_probs)``): its ops,
+# one run per element, are the iterations of this pseudo-loop (structure.py)
+RUN = -6
 
-PSEUDO_NAMES = {SUB: "op", BWD: "backward", BSUB: "grad-op", ACC: "accumulate", UNKNOWN: "?"}
+PSEUDO_NAMES = {SUB: "op", BWD: "backward", BSUB: "grad-op", ACC: "accumulate", UNKNOWN: "?", RUN: "run"}
 
 _SKIP = 0  # code id of frames that are plumbing (ours, torch's mode dispatch), left out
 

@@ -25,8 +25,9 @@ from torch._C._autograd import _get_sequence_nr
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .location import ACC, BSUB, BWD, CODES, SUB, UNKNOWN, Location
-from .schema import TensorMeta, schema_of
+from .location import ACC, BSUB, BWD, CODES, RUN, SUB, UNKNOWN, Location
+from .schema import TensorMeta, list_spans, schema_of
+from .structure import enclosing_loops
 from .trace import Fetch, OpKey, OpRecord, Trace, Value
 
 _NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad nodes
@@ -119,6 +120,8 @@ class Recorder:
         self.mirrored: dict[int, Location] = {}  # forward op index -> mirrored location
         self.node_key: Any = None
         self.bsub = 0
+        self.gathers: dict[int, bool] = {}  # forward op index -> takes a list from a loop
+        self.run_first: Any = None  # the first op of a gathering node's gradient, once seen
         self._modes: tuple | None = None
         # torch-level calls a subclass runs itself: func -> handler(func, args, kwargs, loc)
         self.special: dict[Any, Any] = {}
@@ -281,7 +284,17 @@ class Recorder:
             self.mirrored[op_index] = m
         return m
 
-    def _backward_location(self, node: Any) -> tuple[Location, int | None]:
+    def _gathers(self, op_index: int) -> bool:
+        """Does forward op ``op_index`` take a tensor list whose elements one location made,
+        inside a loop the op is not in (``torch.stack(log_probs)``)? Its gradient makes one run
+        of ops per element: iterations of a ``RUN`` pseudo-loop, so the graph does not depend
+        on the list's length."""
+        found = self.gathers.get(op_index)
+        if found is None:
+            found = self.gathers[op_index] = _gathers_from_loop(self.trace, op_index)
+        return found
+
+    def _backward_location(self, node: Any, func: Any) -> tuple[Location, int | None]:
         seq = node._sequence_nr()
         fwd = self.seq_op.get(seq)
         leaf_use = None
@@ -293,11 +306,18 @@ class Recorder:
         else:
             key = seq
         if key != self.node_key:
-            self.node_key, self.bsub = key, 0
-        bsub = self.bsub
-        self.bsub += 1
+            self.node_key, self.bsub, self.run_first = key, 0, None
         site = self.call_loc if self.call_loc is not None else self.capture(sys._getframe(4))
         site = site + ((BWD, 0),)
+        if fwd is not None and self._gathers(fwd):
+            # one run per element: each starts again with the op the first one started with
+            if self.run_first is None or func == self.run_first:
+                self.run_first, self.bsub = func, 0
+            bsub = self.bsub
+            self.bsub += 1
+            return site + self._mirror(fwd) + ((RUN, 0), (BSUB, bsub)), fwd
+        bsub = self.bsub
+        self.bsub += 1
         if fwd is not None:
             return site + self._mirror(fwd) + ((BSUB, bsub),), fwd
         if leaf_use is not None:
@@ -325,7 +345,7 @@ class Recorder:
             loc = self._forward_location()
             self._claim_nodes(index)
         else:
-            loc, backward_of = self._backward_location(node)
+            loc, backward_of = self._backward_location(node, func)
             if torch.is_grad_enabled() and threading.get_ident() == self.thread:
                 # a backward with create_graph: the nodes this op made belong to it, so the ops
                 # of a double backward mirror it (and not whichever forward op came next)
@@ -415,6 +435,23 @@ class Recorder:
     def on_fetch(self, kind: str, t: Any, loc: Location) -> None:
         vid = self.value_of(t) if isinstance(t, torch.Tensor) else None
         self.trace.fetches.append(Fetch(kind, vid, len(self.trace.ops), loc))
+
+
+def _gathers_from_loop(trace: Trace, op_index: int) -> bool:
+    """See :meth:`Recorder._gathers`."""
+    rec = trace.ops[op_index]
+    for _pos, start, end in list_spans(rec.key.func, rec.key.attrs):
+        producers = {trace.values[v].producer for v in rec.inputs[start:end]}
+        if None in producers or not producers:
+            continue
+        locs = {trace.ops[p].key.loc for p in producers}
+        if len(locs) != 1:
+            continue
+        inner = {key for key, _ in enclosing_loops(next(iter(locs)), trace.outside_loops)}
+        outer = {key for key, _ in enclosing_loops(rec.key.loc, trace.outside_loops)}
+        if inner - outer:
+            return True
+    return False
 
 
 def storage_nbytes(t: torch.Tensor) -> int:

@@ -43,6 +43,9 @@ def _marker(name: str) -> _Marker:
 
 DEFAULT = _Marker("DEFAULT")  # argument left at its schema default
 TENSOR_ARG = _Marker("TENSOR")  # a tensor argument; its metadata is kept apart
+# in a TraceGraph node's key, ``(GATHERED, n)``: a run of ``n`` of a tensor list's elements made
+# by one node of a loop, one per iteration (``torch.stack(log_probs)``); a sized node takes any n
+GATHERED = _Marker("GATHERED")
 FED = _Marker("FED")  # a value promoted to a fed input
 
 # ops whose output shape depends on the values of a CPU tensor argument (a packed sequence's
@@ -182,6 +185,21 @@ class OpSchema:
                 tensors.append(v)
                 owner.append(i)
         return tuple(attrs), tensors, owner
+
+
+def list_spans(func: torch._ops.OpOverload, attrs: tuple) -> list[tuple[int, int, int]]:
+    """Where each tensor-list argument's tensors are among an op's flattened tensor inputs:
+    ``(argument position, first input, end)`` (see :meth:`OpSchema.normalize`)."""
+    kinds = schema_of(func).kinds
+    spans, at = [], 0
+    for p, a in enumerate(attrs):
+        if a is TENSOR_ARG:
+            at += 1
+        elif p < len(kinds) and kinds[p] == TENSOR_LIST and type(a) is tuple:
+            n = sum(1 for x in a if x is TENSOR_ARG)
+            spans.append((p, at, at + n))
+            at += n
+    return spans
 
 
 _SCHEMAS: dict[torch._ops.OpOverload, OpSchema] = {}

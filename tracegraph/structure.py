@@ -7,7 +7,9 @@ when an op's location is *not after* the previous op's location, a back edge was
 innermost loop containing both ops starts a new iteration.
 
 In the backward region the forward location is mirrored (offsets negated), so the gradient ops
-of a loop body, which autograd runs in reverse, form a loop of their own.
+of a loop body, which autograd runs in reverse, form a loop of their own. A ``RUN`` pseudo-frame
+is a loop with no bytecode: the gradient of a list gathered from a loop's iterations (one run of
+ops per element, ``recorder.py``) iterates it.
 
 The rule sees only consecutive pairs of ops, so it runs the same way online (op by op, as the
 co-execution skeleton will) and offline. What it cannot see: a loop iterated by C code
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from .location import ACC, BWD, CODES, Location
+from .location import ACC, BWD, CODES, RUN, Location
 from .trace import Fetch
 
 if TYPE_CHECKING:
@@ -71,6 +73,9 @@ def enclosing_loops(loc: Location, outside: frozenset = frozenset()) -> list[tup
 def _enclosing_loops(loc: Location, outside: frozenset) -> list[tuple[LoopKey, int]]:
     out = []
     for depth, (cid, off) in enumerate(loc):
+        if cid == RUN:
+            out.append(((loc[:depth], RUN, off), depth))
+            continue
         if cid <= 0:
             continue
         for header, _last in CODES.loops_at(cid, abs(off)):
@@ -107,6 +112,8 @@ def _restart_loop(
     depth, oa, ob = start
     for j in range(depth, -1, -1):
         cid, off = a[j]
+        if cid == RUN:
+            return (a[:j], RUN, off)
         if cid <= 0:
             continue
         if j == depth and oa is not None:

@@ -1,10 +1,10 @@
 """The programs whose sizes change between steps (examples/dynamic_programs.py, issue 17)
 under coexec: bit-equal to eager from the same seed. On the interpret backend the second
 distinct size of an op makes its node sized (tracegraph/graph.py), so a length drawn per step
-or a number of boxes is one path from then on; an episode's length (REINFORCE) still is not:
-``torch.stack`` of a list whose length varies is another op each time, and after
-``max_traces`` the program runs eagerly, still bit-equal. The native backend computes the ops
-at new sizes on its worker (``python bench/dynamic_sizes.py`` measures both)."""
+or a number of boxes is one path from then on; so is an episode's length (REINFORCE): the
+``torch.stack`` of one log-probability per iteration is one gathered op, its gradient a loop.
+The native backend computes the ops at new sizes on its worker (``python bench/dynamic_sizes.py``
+measures both)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from tests.coexec.helpers import as_float, assert_same_as_eager, run, tensors_of
 
 STEPS = 20
 REPEATING = {"word_lm_last_chunk", "classifier_last_batch"}
-SIZED = {"transformer_random_length", "detection_boxes"}  # sizes drawn per step: one path
+# sizes drawn per step: one path
+SIZED = {"transformer_random_length", "detection_boxes", "reinforce_short", "reinforce"}
 
 
 class ShortReinforce(Reinforce):
