@@ -1,7 +1,7 @@
 """Programs whose sizes change between steps (examples/dynamic_programs.py) under coexec.
 
     python bench/dynamic_sizes.py [--programs reinforce,detection_boxes] [--steps 60] [--backend native]
-                                  [--out bench/out]
+                                  [--memory-budget 100KB] [--out bench/out]
 
 Per program, one instance trains eagerly and one under
 ``coexec.GradientTape(backend="interpret")`` from the same seed, for ``--steps`` steps, taking
@@ -19,7 +19,9 @@ Columns, the figures issue 17 asks for:
   capture could not answer, ``.item()``);
 * ``ratio``: the coexec steps' time over the eager steps' (the whole run: tracing included);
   ``ratio after warm-up``: over the steps after the first co-executed one;
-* ``bit-equal``: losses and final parameters and optimizer state.
+* ``bit-equal``: losses and final parameters and optimizer state;
+* with ``--memory-budget``: steps over it, plans made, the planner's seconds, and the seconds
+  steps waited for plans (``TapeStats``).
 
 ``--backend native`` (or ``auto``, native on a CPU) runs the coexec copy on the native backend
 (no traces: an op at a new size has its output metadata computed by the capture and goes to the
@@ -101,9 +103,9 @@ class Pair:
         return sum(co) / sum(eager) if co else float("nan")
 
 
-def measure(program: type, steps: int, backend: str = "interpret") -> dict:
+def measure(program: type, steps: int, backend: str = "interpret", budget: str | None = None) -> dict:
     pair = Pair(lambda: program(0))
-    tape = coexec.GradientTape(key=("dynamic-sizes", program.name, backend), backend=backend)
+    tape = coexec.GradientTape(key=("dynamic-sizes", program.name, backend), backend=backend, memory_budget=budget)
     first_coexec, worker_ops, ops = None, 0, 0
     for i in range(steps):
         before = tape.stats.coexec_steps
@@ -128,6 +130,13 @@ def measure(program: type, steps: int, backend: str = "interpret") -> dict:
     }
     if tape.backend == "native":
         row["ops on the worker after warm-up %"] = 100.0 * worker_ops / ops if ops else 0.0
+    if budget is not None:
+        row.update({
+            "steps over budget": s.over_budget_steps,
+            "plans": s.plans_made,
+            "planning s": s.planning_seconds,
+            "waited for plans s": s.plan_wait_seconds,
+        })  # fmt: skip
     row.update({
         "eager s": sum(pair.eager_t),
         "coexec s": sum(pair.co_t),
@@ -144,6 +153,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
     ap.add_argument("--backend", default="interpret", choices=coexec.tape.BACKENDS)
+    ap.add_argument("--memory-budget", help="the coexec copy's memory_budget (e.g. 100KB)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     prepare(args.threads)
@@ -151,14 +161,15 @@ def main() -> None:
         if native.wait() is None and args.backend == "native":
             raise SystemExit("the native module is not available")
     table = markdown_table(
-        measure_each(args.programs, lambda name: measure(DYNAMIC_BY_NAME[name], args.steps, args.backend))
+        measure_each(args.programs, lambda name: measure(DYNAMIC_BY_NAME[name], args.steps, args.backend, args.memory_budget))
     )
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dynamic_sizes.md").write_text(
         f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s)\n\n"
-        f"`python bench/dynamic_sizes.py --steps {args.steps} --backend {args.backend}`\n\n{table}\n"
+        f"`python bench/dynamic_sizes.py --steps {args.steps} --backend {args.backend}"
+        f"{' --memory-budget ' + args.memory_budget if args.memory_budget else ''}`\n\n{table}\n"
     )
 
 

@@ -131,7 +131,7 @@ class Program:
         self.stats = TapeStats()
         self.capped = False
         self.paths: list[PathInput] = []  # the observed paths, as the planner takes them
-        self.shapes: set[tuple] = set()  # their loop_shape()s
+        self.shapes: dict[tuple, list[int]] = {}  # loop_shape() -> the paths of that shape
         self.path_steps: list[int] = []  # per path: the step its trace came from
         self.plan: PlanRequest = PlanRequest(0, (), None, None, False)  # what the plan in use was made of
         self.needed = 0  # the number of the plan request a budgeted step waits for (plan_current)
@@ -164,17 +164,16 @@ class Program:
         into the arena (probed now, on the step's thread)."""
         self.paths.append(PathInput(trace, path_sites, writable_ops(trace)))
         self.path_steps.append(step)
-        self.shapes.add(loop_shape(path_sites))
+        self.shapes.setdefault(loop_shape(path_sites), []).append(len(self.paths) - 1)
 
-    def grow_path(self, path: int, trace: Any, size: int, step: int) -> bool:
-        """A covered step of planned ``path`` that allocated ``size`` bytes, more than the
-        trace the path was planned from: it replaces that trace (plans are made for the
-        largest sizes seen, which cover the smaller ones), unless a plan for steps as large
-        could not meet the budget. Did it?"""
-        old = self.paths[path]
+    def grow_path(self, path: int, trace: Any, size: int, step: int, sites: tuple) -> bool:
+        """A covered step of planned ``path`` (or of its loop shape, with ``sites`` of its own)
+        that allocated ``size`` bytes, more than the trace the path was planned from: it
+        replaces that trace (plans are made for the largest sizes seen, which cover the smaller
+        ones), unless a plan for steps as large could not meet the budget. Did it?"""
         if size >= self.unplannable.get(path, size + 1):
             return False
-        self.paths[path] = PathInput(trace, old.sites, writable_ops(trace))
+        self.paths[path] = PathInput(trace, sites, writable_ops(trace))
         self.path_steps[path] = step
         return True
 
@@ -1030,15 +1029,27 @@ class _Step:
         path = self.session.schedule.signatures.get(signature)
         planned = path is not None
         larger = grew = False
+        # a loop that ran another number of times than on LOOP_PATHS observed paths (an
+        # episode's length): no new path; under a budget, the largest of them is planned again
+        # for a step that allocated more (plans are made for the largest, as for sizes)
+        counts = None if planned else program.shapes.get(loop_shape(signature), [])
+        if counts is not None and len(counts) >= LOOP_PATHS:
+            path = max(counts, key=lambda p: _allocated_bytes(program.paths[p].trace))
         # (only a budget's decisions change with sizes: the arena leaves sized ops' outputs to
         # the allocator, so an arena alone gains nothing from a plan for larger steps)
         if path is not None and program.budget is not None:
             size = _allocated_bytes(sk.trace)
             larger = size > _allocated_bytes(program.paths[path].trace)
-            grew = larger and program.grow_path(path, sk.trace, size, stats.steps - 1)
+            grew = larger and program.grow_path(path, sk.trace, size, stats.steps - 1, signature)
         if program.budget is not None and stats.peak_bytes > program.budget:
             stats.over_budget_steps += 1
-            if not planned:
+            if not planned and path is not None:
+                then = "the largest of them is planned again for it" if grew else "planned for the largest of them"
+                why = (
+                    f"ran a loop another number of times than on the {len(counts)} paths its plan "
+                    f"was made for (an episode's length): {then}"
+                )
+            elif not planned:
                 why = "took a path no plan had seen yet (it is planned now)"
             elif larger:
                 then = "it is planned again for these sizes" if grew else "no plan for steps this large meets the budget"
@@ -1051,16 +1062,10 @@ class _Step:
                 RuntimeWarning,
                 *self.with_line,
             )
-        if not planned and program.budget is None and loop_shape(signature) in program.shapes:
-            # a loop ran another number of times than on any observed path (an episode's
-            # length): without a budget its plan would only place this step's storages in an
-            # arena and order its blocks, for a path that may never come again, while planning
-            # grows with every path; the step runs unplanned (the allocator, issue order)
-            return
-        if not planned:
+        if path is None:
             program.add_path(sk.trace, signature, stats.steps - 1)
-        if not planned or grew:
-            self._log(program.request_plan(program.budget, program.offload, program.use_arena, grown=planned))
+        if path is None or grew:
+            self._log(program.request_plan(program.budget, program.offload, program.use_arena, grown=path is not None))
 
     @functools.cached_property
     def signature(self) -> tuple:
@@ -1149,6 +1154,9 @@ class _Step:
 def _log(program: Program, msg: str) -> None:
     n = f" program {program.index}" if program.index > 1 else ""
     print(f"coexec [{program.where}{n}]: {msg}", file=sys.stderr)
+
+
+LOOP_PATHS = 4  # paths planned per loop shape (loop_shape): more are not planned as paths
 
 
 def loop_shape(signature: tuple) -> tuple:

@@ -199,3 +199,47 @@ def test_an_argument_only_python_converts_takes_the_meta_key():
     x = _meta(5, 12)
     got = _on_meta(torch.ops.aten.add.Tensor, [x, 0.5], {})
     assert (got.shape, got.dtype) == ((5, 12), torch.float32)
+
+
+def rnn_state() -> dict:
+    torch.manual_seed(0)
+    cell, head = nn.RNNCell(3, 8), nn.Linear(8, 1)
+    params = [*cell.parameters(), *head.parameters()]
+    g = torch.Generator().manual_seed(1)
+    return {"cell": cell, "head": head, "opt": torch.optim.SGD(params, lr=0.1),
+            "data": [torch.randn(n, 2, 3, generator=g) for n in LENGTHS]}  # fmt: skip
+
+
+def rnn_step(state: dict, i: int) -> torch.Tensor:
+    """A loop that runs as many times as the step's sequence is long."""
+    cell, head, opt = state["cell"], state["head"], state["opt"]
+    opt.zero_grad()
+    h, xs = torch.zeros(2, 8), state["data"][i]
+    for t in range(len(xs)):  # (``for x in xs`` unbinds: an op whose number of outputs varies)
+        h = cell(xs[t], h)
+    loss = head(h).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("budget", [None, "100MB"])
+def test_a_loop_that_runs_another_number_of_times_each_step_plans_at_most_four_paths(budget):
+    """Each trip count of a loop is another path (other sites); an episode's length drawn per
+    step would be a plan over ever more paths (REINFORCE: a plan of 2 paths took 12.5 s, the
+    next step under a budget waited for each). After LOOP_PATHS paths of one loop shape no
+    more are added: without a budget such a step runs unplanned; under one the largest path is
+    planned again, in the background, for a step that allocated more."""
+    from coexec.tape import LOOP_PATHS
+
+    tape = assert_same_as_eager(rnn_state, rnn_step, len(LENGTHS), memory_budget=budget)
+    program = tape._program
+    assert tape.stats.traces == 2 and tape.stats.coexec_steps == len(LENGTHS) - 3, tape.stats
+    assert max(len(paths) for paths in program.shapes.values()) == LOOP_PATHS == 4
+    # (a sequence of 2 is another shape: its first iteration's state comes from outside the loop
+    # on both sides of its only back edge)
+    assert len(program.paths) <= LOOP_PATHS + 1 < len(set(LENGTHS))
+    if budget is None:  # step 4 (11 long) was the fourth path of its shape; step 10 (12) is none
+        assert 4 in program.path_steps and 10 not in program.path_steps, program.path_steps
+    else:  # the largest path was replaced by step 4's (11 long), then by step 10's (12)
+        assert 10 in program.path_steps and 4 not in program.path_steps, program.path_steps
