@@ -1032,9 +1032,10 @@ class _Step:
         # a loop that ran another number of times than on LOOP_PATHS observed paths (an
         # episode's length): no new path; under a budget, the largest of them is planned again
         # for a step that allocated more (plans are made for the largest, as for sizes)
-        counts = None if planned else program.shapes.get(loop_shape(signature), [])
-        if counts is not None and len(counts) >= LOOP_PATHS:
-            path = max(counts, key=lambda p: _allocated_bytes(program.paths[p].trace))
+        same_shape = () if planned else program.shapes.get(loop_shape(signature), ())
+        full = len(same_shape) >= LOOP_PATHS
+        if full and program.budget is not None:
+            path = max(same_shape, key=lambda p: _allocated_bytes(program.paths[p].trace))
         # (only a budget's decisions change with sizes: the arena leaves sized ops' outputs to
         # the allocator, so an arena alone gains nothing from a plan for larger steps)
         if path is not None and program.budget is not None:
@@ -1043,10 +1044,10 @@ class _Step:
             grew = larger and program.grow_path(path, sk.trace, size, stats.steps - 1, signature)
         if program.budget is not None and stats.peak_bytes > program.budget:
             stats.over_budget_steps += 1
-            if not planned and path is not None:
+            if full:
                 then = "the largest of them is planned again for it" if grew else "planned for the largest of them"
                 why = (
-                    f"ran a loop another number of times than on the {len(counts)} paths its plan "
+                    f"ran a loop another number of times than on the {LOOP_PATHS} paths its plan "
                     f"was made for (an episode's length): {then}"
                 )
             elif not planned:
@@ -1062,10 +1063,11 @@ class _Step:
                 RuntimeWarning,
                 *self.with_line,
             )
-        if path is None:
+        new_path = not planned and not full
+        if new_path:
             program.add_path(sk.trace, signature, stats.steps - 1)
-        if path is None or grew:
-            self._log(program.request_plan(program.budget, program.offload, program.use_arena, grown=path is not None))
+        if new_path or grew:
+            self._log(program.request_plan(program.budget, program.offload, program.use_arena, grown=not new_path))
 
     @functools.cached_property
     def signature(self) -> tuple:

@@ -33,7 +33,9 @@ from typing import Any, NamedTuple
 from . import reasons
 from .location import CODES
 from .reasons import NotCovered
-from .schema import FED, GATHERED, TENSOR_ARG, TENSOR_LIST, VALUE, TensorMeta, is_number_like, list_spans, schema_of
+from .schema import (
+    FED, GATHERED, TENSOR_ARG, TENSOR_LIST, VALUE, TensorMeta, is_gathered, is_number_like, list_spans, schema_of,
+)  # fmt: skip
 from .structure import LoopKey, LoopTracker, in_order
 from .trace import Fetch, OpKey, OpRecord, Trace
 
@@ -55,7 +57,7 @@ class Node:
     __slots__ = (
         "id", "kind", "region", "key", "sources", "promoted", "out_metas", "body", "trips",
         "visits", "fetches", "enter_sources", "label", "out_alias", "n_returned", "out_struct",
-        "match_cache", "sized", "gathers", "inferred",
+        "match_cache", "sized", "inferred",
     )  # fmt: skip
 
     def __init__(self, nid: int, kind: str, region: "Region", key: Any = None) -> None:
@@ -67,7 +69,6 @@ class Node:
         self.promoted: frozenset[int] = frozenset()  # attribute positions that are fed
         self.out_metas: tuple[TensorMeta, ...] = ()  # as first seen (sized: not this step's)
         self.sized = False  # tensor sizes and strides vary: matched without them, bound per step
-        self.gathers = False  # its key has a run of a loop's values in a list (_gather)
         # did outputs worked out without running the op (``infer``) match what it made? None:
         # not yet checked against a run (the user of ``infer`` checks it and sets this)
         self.inferred: bool | None = None
@@ -177,51 +178,33 @@ def _gather(key: OpKey, srcs: tuple, inputs: tuple) -> tuple[OpKey, tuple, tuple
     differ only in a length, which sizes the node like a size (:func:`_index_key` and a sized
     node's match leave it out). Returns ``(key, sources, input values)``."""
     spans = list_spans(key.func, key.attrs)
-    if not spans:
+    if not any(srcs[i][0] == "loop" for _p, start, end in spans for i in range(start, end)):
         return key, srcs, inputs
-    attrs, metas = list(key.attrs), key.metas
-    out_srcs, out_metas, out_inputs, at, gathered = [], [], [], 0, False
+    attrs, metas, keep, at = list(key.attrs), key.metas, [], 0
     for p, start, end in spans:
-        out_srcs += srcs[at:start]
-        out_metas += metas[at:start]
-        out_inputs += inputs[at:start]
-        shape, elements = [], iter(range(start, end))
-        prev = None
+        keep += range(at, start)
+        shape, i, run = [], start, None  # run: the first element of the run going on
         for a in key.attrs[p]:
             if a is not TENSOR_ARG:
                 shape.append(a)
-                prev = None
+                run = None
                 continue
-            i = next(elements)
-            s = srcs[i]
-            if prev is not None and s == srcs[prev] and sizeless(metas[i]) == sizeless(metas[prev]):
-                shape[-1] = (GATHERED, shape[-1][1] + 1)  # the run goes on
-                continue
-            if s[0] == "loop":
-                shape.append((GATHERED, 1))
-                prev, gathered = i, True
+            if run is not None and srcs[i] == srcs[run] and sizeless(metas[i]) == sizeless(metas[run]):
+                shape[-1] = (GATHERED, shape[-1][1] + 1)
             else:
-                shape.append(a)
-                prev = None
-            out_srcs.append(s)
-            out_metas.append(metas[i])
-            out_inputs.append(inputs[i])
-        attrs[p] = tuple(shape)
-        at = end
-    out_srcs += srcs[at:]
-    out_metas += metas[at:]
-    out_inputs += inputs[at:]
-    if not gathered:
-        return key, srcs, inputs
-    return OpKey(key.func, tuple(attrs), tuple(out_metas), key.loc), tuple(out_srcs), tuple(out_inputs)
+                run = i if srcs[i][0] == "loop" else None
+                shape.append(a if run is None else (GATHERED, 1))
+                keep.append(i)
+            i += 1
+        attrs[p], at = tuple(shape), end
+    keep += range(at, len(srcs))
+    gathered = OpKey(key.func, tuple(attrs), tuple(metas[i] for i in keep), key.loc)
+    return gathered, tuple(srcs[i] for i in keep), tuple(inputs[i] for i in keep)
 
 
 def _lengthless(attrs: tuple) -> tuple:
     """A gathered key's arguments without the runs' lengths (see :func:`_gather`)."""
-    return tuple(
-        tuple(GATHERED if type(x) is tuple and x and x[0] is GATHERED else x for x in a) if type(a) is tuple else a
-        for a in attrs
-    )
+    return tuple(tuple(GATHERED if is_gathered(x) else x for x in a) if type(a) is tuple else a for a in attrs)
 
 
 def _index_key(key: OpKey) -> tuple:
@@ -604,7 +587,6 @@ class Cursor:
         node.out_alias = rec.out_alias
         node.n_returned = rec.n_returned
         node.out_struct = rec.out_struct
-        node.gathers = key is not rec.key
         return self.visit(node, rec, ctx, inputs)
 
     def source(self, vid: int, ctx: Ctx) -> Source:
@@ -679,7 +661,7 @@ class Cursor:
         mine = node.key
         if mine != key and not (
             node.sized
-            and (mine.attrs == key.attrs or (node.gathers and _lengthless(mine.attrs) == _lengthless(key.attrs)))
+            and (mine.attrs == key.attrs or _lengthless(mine.attrs) == _lengthless(key.attrs))
             and mine.loc == key.loc
             and same_but_sizes(mine.metas, key.metas)
         ):  # (the ops are one: checked above)

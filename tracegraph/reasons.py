@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .location import BWD, CODES, Location
-from .schema import DEFAULT, FED, GATHERED, TENSOR_ARG, is_number_like
+from .schema import DEFAULT, FED, TENSOR_ARG, is_gathered, is_number_like
 
 if TYPE_CHECKING:
     from .graph import Cursor, Node, Region
@@ -136,17 +136,17 @@ def _show(v: Any) -> str:
         return "its default"
     if v is FED:
         return "a fed value"
-    if type(v) is tuple and v and v[0] is GATHERED:
+    if is_gathered(v):
         return f"{v[1]} from a loop"
     if type(v) is tuple:
-        if len(v) > 2 and _tensor_list(v) and all(x is TENSOR_ARG for x in v):
+        if len(v) > 2 and all(x is TENSOR_ARG for x in v):
             return f"a list of {len(v)} tensors"
         return "[" + ", ".join(_show(x) for x in v) + "]"
     return repr(v)
 
 
 def _tensor_list(v: Any) -> bool:
-    return type(v) is tuple and bool(v) and all(x is TENSOR_ARG or (type(x) is tuple and x and x[0] is GATHERED) for x in v)
+    return type(v) is tuple and bool(v) and all(x is TENSOR_ARG or is_gathered(x) for x in v)
 
 
 def _show_meta(field: str, v: Any) -> str:

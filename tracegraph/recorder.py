@@ -117,10 +117,9 @@ class Recorder:
         self.suppress = 0
         self.seq_op: dict[int, int] = {}  # autograd sequence nr -> forward op index
         self.last_seq = _get_sequence_nr()
-        self.mirrored: dict[int, Location] = {}  # forward op index -> mirrored location
+        self.mirrored: dict[int, Location] = {}  # forward op index -> where its gradient runs
         self.node_key: Any = None
         self.bsub = 0
-        self.gathers: dict[int, bool] = {}  # forward op index -> takes a list from a loop
         self.run_first: Any = None  # the first op of a gathering node's gradient, once seen
         self._modes: tuple | None = None
         # torch-level calls a subclass runs itself: func -> handler(func, args, kwargs, loc)
@@ -278,21 +277,18 @@ class Recorder:
         return loc + ((SUB, sub),)
 
     def _mirror(self, op_index: int) -> Location:
+        """Where the gradient of forward op ``op_index`` runs: its location, offsets negated;
+        then a ``RUN`` pseudo-frame if the op took a tensor list gathered from a loop
+        (``torch.stack(log_probs)``, :func:`_gathers_from_loop`): its gradient makes one run of
+        ops per element, the iterations of that pseudo-loop, so the graph does not depend on
+        the list's length."""
         m = self.mirrored.get(op_index)
         if m is None:
             m = tuple((c, -o) for c, o in self.trace.ops[op_index].key.loc)
+            if _gathers_from_loop(self.trace, op_index):
+                m += ((RUN, 0),)
             self.mirrored[op_index] = m
         return m
-
-    def _gathers(self, op_index: int) -> bool:
-        """Does forward op ``op_index`` take a tensor list whose elements one location made,
-        inside a loop the op is not in (``torch.stack(log_probs)``)? Its gradient makes one run
-        of ops per element: iterations of a ``RUN`` pseudo-loop, so the graph does not depend
-        on the list's length."""
-        found = self.gathers.get(op_index)
-        if found is None:
-            found = self.gathers[op_index] = _gathers_from_loop(self.trace, op_index)
-        return found
 
     def _backward_location(self, node: Any, func: Any) -> tuple[Location, int | None]:
         seq = node._sequence_nr()
@@ -309,17 +305,15 @@ class Recorder:
             self.node_key, self.bsub, self.run_first = key, 0, None
         site = self.call_loc if self.call_loc is not None else self.capture(sys._getframe(4))
         site = site + ((BWD, 0),)
-        if fwd is not None and self._gathers(fwd):
-            # one run per element: each starts again with the op the first one started with
-            if self.run_first is None or func == self.run_first:
+        if fwd is not None:
+            mirror = self._mirror(fwd)
+            if mirror[-1][0] == RUN and (self.run_first is None or func == self.run_first):
+                # a run per element: each starts again with the op the first one started with
                 self.run_first, self.bsub = func, 0
-            bsub = self.bsub
-            self.bsub += 1
-            return site + self._mirror(fwd) + ((RUN, 0), (BSUB, bsub)), fwd
         bsub = self.bsub
         self.bsub += 1
         if fwd is not None:
-            return site + self._mirror(fwd) + ((BSUB, bsub),), fwd
+            return site + mirror + ((BSUB, bsub),), fwd
         if leaf_use is not None:
             op_index, pos = leaf_use
             return site + self._mirror(op_index) + ((ACC, pos), (BSUB, bsub)), None
@@ -438,7 +432,8 @@ class Recorder:
 
 
 def _gathers_from_loop(trace: Trace, op_index: int) -> bool:
-    """See :meth:`Recorder._gathers`."""
+    """Does forward op ``op_index`` take a tensor list whose elements one location made, inside
+    a loop the op is not in? (A leaf's first use is never such an op: a leaf has no producer.)"""
     rec = trace.ops[op_index]
     for _pos, start, end in list_spans(rec.key.func, rec.key.attrs):
         producers = {trace.values[v].producer for v in rec.inputs[start:end]}

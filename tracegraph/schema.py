@@ -46,6 +46,12 @@ TENSOR_ARG = _Marker("TENSOR")  # a tensor argument; its metadata is kept apart
 # in a TraceGraph node's key, ``(GATHERED, n)``: a run of ``n`` of a tensor list's elements made
 # by one node of a loop, one per iteration (``torch.stack(log_probs)``); a sized node takes any n
 GATHERED = _Marker("GATHERED")
+
+
+def is_gathered(x: Any) -> bool:
+    """Is ``x`` a ``(GATHERED, n)`` element of a node key's tensor list?"""
+    return type(x) is tuple and len(x) == 2 and x[0] is GATHERED
+
 FED = _Marker("FED")  # a value promoted to a fed input
 
 # ops whose output shape depends on the values of a CPU tensor argument (a packed sequence's
