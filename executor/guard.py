@@ -108,7 +108,7 @@ class Guard:
         for x in _tensors(args, kwargs):
             _index(x, ins, index)
 
-    def before_write(self, written: list, moved: frozenset = frozenset()) -> None:
+    def before_write(self, written: list, moved: frozenset = frozenset(), values_written: bool = False) -> None:
         """These tensors are about to be written in place: the guard's recipes that read or
         made their storages would make other values than the first time. Those that dropped
         an output something may still read (the program, or a dropped value that may be made
@@ -119,7 +119,16 @@ class Guard:
         for t in written:
             key = _ptr(t)
             kept = []
-            for ins in self.by_storage.pop(key, ()):
+            found = self.by_storage.pop(key, [])
+            # (a value made again is on another storage than the one its readers were found
+            # by: where the op writes the table's values, those on this storage are found by
+            # their value ids; state, which is never made again, stays where it was)
+            for vid, x in self.values.items() if values_written else ():
+                if _ptr(x) == key:
+                    found.extend(recipes.readers.get(vid, ()))
+                    if vid in recipes.by_out:
+                        found.append(recipes.by_out[vid])
+            for ins in {id(ins): ins for ins in found}.values():
                 if not self._is_mine(ins) or not any(recipes.by_out.get(v) is ins for v in ins.outs):
                     continue
                 if moved and self._meets_only(ins, key, moved):
@@ -145,18 +154,27 @@ class Guard:
                 return False
         return not any(_ptr(x) == key for x in _tensors(ins.args, ins.kwargs))
 
-    def ran_in_place(self, ins: Any, seconds: float) -> None:
-        """``ins`` wrote its first argument in place, a value the guard can make again: the
-        written value is made again by the op's functional variant (``div_`` -> ``div``) from
-        the value before the write, which stays, dropped, as a link of its chain."""
-        recipes = self.recipes
-        (old, new), = ins.moves
-        functional = _functional(ins.func)
-        if functional is None or not self._droppable(recipes.by_out.get(old)):
-            return
+    def links(self, ins: Any) -> frozenset:
+        """The value ``ins`` writes in place that stays, dropped, as a link of a chain (for
+        :meth:`ran_in_place`): its first argument, if the op has a functional variant and the
+        guard can make that value again; else none."""
+        if len(ins.moves) != 1 or ins.writes != (0,) or _functional(ins.func) is None:
+            return frozenset()
+        ((old, _new),) = ins.moves
         if not any(a == 0 and i < 0 and v == old for a, i, v in ins.refs):
+            return frozenset()
+        return frozenset((old,)) if self._droppable(self.recipes.by_out.get(old)) else frozenset()
+
+    def ran_in_place(self, ins: Any, seconds: float) -> None:
+        """``ins`` wrote its first argument in place, a value the guard can make again
+        (:meth:`links`): the written value is made again by the op's functional variant
+        (``div_`` -> ``div``) from the value before the write, which stays, dropped, as a link
+        of its chain."""
+        recipes = self.recipes
+        if not self.links(ins):
             return
-        again = dataclasses.replace(ins, func=functional, moves=(), writes=(), outs=(new,), arena_out=None)
+        ((old, new),) = ins.moves
+        again = dataclasses.replace(ins, func=_functional(ins.func), moves=(), writes=(), outs=(new,), arena_out=None)
         if ins.random:
             recipes.rng_states[id(again)] = recipes.rng_states.pop(id(ins))
         t = self.values[new]

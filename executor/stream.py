@@ -554,7 +554,7 @@ class _Worker:
             if ins.moves and self.offloads.out:
                 self.offloads.before_write([old for old, _new in ins.moves])
             if ins.writes and guard.mine:
-                guard.before_write(_written(ins, args, kwargs), frozenset(old for old, _new in ins.moves))
+                guard.before_write(_written(ins, args, kwargs), guard.links(ins), bool(ins.moves))
             if ins.random and (ins.recipe or guard.cap is not None):
                 self.recipes.rng_states[id(ins)] = rng_state(args, kwargs)
             out = None
@@ -580,7 +580,7 @@ class _Worker:
             if ins.recipe:
                 self.recipes.keep(ins)
             elif guard.cap is not None:
-                if ins.moves and len(ins.moves) == 1 and ins.writes == (0,):
+                if ins.moves:
                     guard.ran_in_place(ins, time.perf_counter() - t0)
                 else:
                     guard.ran(ins, args, kwargs, time.perf_counter() - t0)

@@ -5,8 +5,10 @@ lets go of is freed as eager frees it, and writes in place never change a value 
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from executor import Cap, Free, ResetPeak, Run
+from executor import Cap, Executor, Free, ResetPeak, Restore, Run
 
 aten = torch.ops.aten
 N = 128  # rows and columns of each activation: 64 KiB of float32
@@ -152,3 +154,93 @@ def test_data_dependent_results_are_never_dropped(ex):
     ex.drain(10)
     w = ex._w
     assert 1 in w.values and 1 not in w.recipes.dropped and w.guard.overruns > 0
+
+
+OPS = st.one_of(
+    st.tuples(st.just("unary"), st.sampled_from(["sin", "tanh", "neg"]), st.integers(0, 99)),
+    st.tuples(st.just("binary"), st.sampled_from(["add", "mul"]), st.integers(0, 99), st.integers(0, 99)),
+    st.tuples(st.just("random"), st.integers(0, 99)),
+    st.tuples(st.just("in place"), st.integers(0, 99)),
+    st.tuples(st.just("state"), st.integers(0, 99)),  # reads the external weight
+    st.tuples(st.just("write state")),  # an optimizer's update of the weight
+    st.tuples(st.just("free"), st.integers(0, 99)),
+    st.tuples(st.just("read"), st.integers(0, 99)),
+)
+
+
+def replay(ex, program, cap):
+    """Run ``program`` (OPS) under ``cap``: the values read, and the peak."""
+    torch.manual_seed(0)
+    weight = torch.full((32, 32), 0.5)
+    ex.submit(ResetPeak())
+    ex.submit(Cap(cap))
+    first = run(aten.rand.default, [32, 32], outs=[1])
+    first.random = True  # (as the skeleton marks random ops under a budget)
+    ex.submit(first)
+    live, reads, vid = [1], [], 1
+
+    def new():
+        nonlocal vid
+        vid += 1
+        return vid
+
+    def small(func, *args, outs, writes=()):
+        r = run(func, *args, outs=outs, writes=writes)
+        r.new_bytes = 0 if writes else 32 * 32 * 4
+        return r
+
+    for op in program:
+        kind = op[0]
+        if kind == "write state":
+            ex.submit(small(aten.add_.Scalar, weight, 1.0, outs=[], writes=(0,)))
+            continue
+        if not live:
+            continue
+        pick = live[op[-1] % len(live)]
+        if kind == "unary":
+            ex.submit(small(getattr(aten, op[1]).default, V(pick), outs=[out := new()]))
+            live.append(out)
+        elif kind == "binary":
+            other = live[op[2] % len(live)]
+            ex.submit(small(getattr(aten, op[1]).Tensor, V(pick), V(other), outs=[out := new()]))
+            live.append(out)
+        elif kind == "random":
+            r = small(aten.rand_like.default, V(pick), outs=[out := new()])
+            r.random = True
+            ex.submit(r)
+            live.append(out)
+        elif kind == "in place":
+            w = small(aten.mul_.Scalar, V(pick), 0.5, outs=[out := new()], writes=(0,))
+            w.moves = ((pick, out),)
+            ex.submit(w)
+            live[live.index(pick)] = out
+        elif kind == "state":
+            ex.submit(small(aten.add.Tensor, V(pick), weight, outs=[out := new()]))
+            live.append(out)
+        elif kind == "free":
+            ex.submit(Free((pick,)))
+            live.remove(pick)
+        else:
+            ex.submit(Restore((pick,)))
+            ex.drain(30)
+            assert ex.error is None, ex.error
+            reads.append(ex._w.values[pick].clone())
+    ex.drain(30)
+    assert ex.error is None, ex.error
+    return reads, ex._w.memory.peak
+
+
+@settings(max_examples=200, deadline=None)
+@given(program=st.lists(OPS, min_size=5, max_size=60), fraction=st.floats(0.1, 0.9))
+def test_any_program_under_any_cap_reads_what_it_reads_uncapped(program, fraction):
+    """Whatever the guard drops, and whatever it makes again through chains, random draws,
+    writes in place and writes to state, the values the program reads are the uncapped ones."""
+    ex = Executor("guard-fuzz")
+    try:
+        expected, peak = replay(ex, program, None)
+        ex.reset()
+        got, _ = replay(ex, program, int(fraction * peak))
+    finally:
+        ex.close()
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
