@@ -661,7 +661,10 @@ class Cursor:
         mine = node.key
         if mine != key and not (
             node.sized
-            and (mine.attrs == key.attrs or _lengthless(mine.attrs) == _lengthless(key.attrs))
+            and (
+                mine.attrs == key.attrs
+                or (_takes_lists(key.func) and _lengthless(mine.attrs) == _lengthless(key.attrs))
+            )
             and mine.loc == key.loc
             and same_but_sizes(mine.metas, key.metas)
         ):  # (the ops are one: checked above)

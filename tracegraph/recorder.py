@@ -306,18 +306,18 @@ class Recorder:
         site = self.call_loc if self.call_loc is not None else self.capture(sys._getframe(4))
         site = site + ((BWD, 0),)
         if fwd is not None:
-            mirror = self._mirror(fwd)
-            if mirror[-1][0] == RUN and (self.run_first is None or func == self.run_first):
+            where = self._mirror(fwd)
+            if where[-1][0] == RUN and (self.run_first is None or func == self.run_first):
                 # a run per element: each starts again with the op the first one started with
                 self.run_first, self.bsub = func, 0
+        elif leaf_use is not None:
+            op_index, pos = leaf_use
+            where = self._mirror(op_index) + ((ACC, pos),)
+        else:
+            where = ((UNKNOWN, 0),)
         bsub = self.bsub
         self.bsub += 1
-        if fwd is not None:
-            return site + mirror + ((BSUB, bsub),), fwd
-        if leaf_use is not None:
-            op_index, pos = leaf_use
-            return site + self._mirror(op_index) + ((ACC, pos), (BSUB, bsub)), None
-        return site + ((UNKNOWN, 0), (BSUB, bsub)), None
+        return site + where + ((BSUB, bsub),), fwd
 
     def _claim_nodes(self, index: int) -> None:
         """The autograd nodes made since the last op (this thread's sequence numbers) belong
