@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from executor import (
+    Cap,
     Drop,
     Executor,
     ExecutorError,
@@ -106,6 +107,8 @@ class Session:
         index: BlockIndex | None = None,
         arena_outs: dict | None = None,
         budget: int | None = None,
+        state_bytes: int = 0,
+        site_bytes: dict | None = None,
     ) -> None:
         self.executor = executor
         self.timeout = timeout
@@ -143,6 +146,50 @@ class Session:
         self.sweep_every = sweep_every(budget)  # (the tape's memory budget: plans count on it)
         self._until_sweep = self.sweep_every
         executor.submit(ResetPeak(arena))
+        # under a budget the executor holds its live bytes within the budget less the state
+        # (executor/guard.py: the state the program's last step found, until this one finds
+        # more), wherever the plan does not: from the start without one, else from the first op
+        # that makes more than at its site in the steps planned for (``site_bytes``)
+        self.budget = budget
+        self.state_bytes = state_bytes
+        self.state_storages: set[int] = set()
+        self.found_state = 0
+        self.site_bytes = site_bytes if remat is not None else None
+        self.guarded = False
+        if budget is not None and self.site_bytes is None:
+            self.guard()
+
+    def guard(self) -> None:
+        """Hold the executor within the budget from the next op on (executor/guard.py)."""
+        self.guarded = True
+        self.executor.submit(Cap(max(self.budget - self.state_bytes, 0)))
+
+    def sweep_before_write(self) -> None:
+        """An op is about to write state in place (an optimizer's update, running
+        statistics): the guard's recipes that read it are retired then, and those that dropped
+        an output make it first, unless the program let go of it. Let go of what it let go of
+        now, not a sweep later."""
+        self._until_sweep = self.sweep_every
+        dead = self.sweep()
+        if dead:
+            self.executor.submit(Free(dead))
+
+    def outgrew(self, site: Site, new_bytes: int) -> bool:
+        """Does an op at ``site`` making ``new_bytes`` make more than the plan counted?"""
+        planned = self.site_bytes.get(site)
+        return planned is None or new_bytes > planned
+
+    def met_state(self, storage: int, nbytes: int) -> None:
+        """The step read a storage from outside it (a parameter, a batch): past the state
+        counted, the executor's cap comes down."""
+        if storage in self.state_storages:
+            return
+        self.state_storages.add(storage)
+        self.found_state += nbytes
+        if self.found_state > self.state_bytes:
+            self.state_bytes = self.found_state
+            if self.guarded:
+                self.executor.submit(Cap(max(self.budget - self.state_bytes, 0)))
 
     def new_placeholder(self, meta: TensorMeta, vid: int, position: int) -> Placeholder:
         ph = Placeholder(meta, self, vid)
@@ -289,7 +336,10 @@ class Session:
         """After the executor drained: every live placeholder gets its value, copied out of
         the arena (which the next step reuses). ``release``: the placeholders also let go of
         the session, so a kept one does not keep the step's bookkeeping alive."""
-        if self.remat is not None and self.executor.away():
+        if self.budget is not None and self.executor.away():  # (dropped: by the plan or the guard)
+            dead = self.sweep()  # (only what the program still holds is made again)
+            if dead:
+                self.executor.submit(Free(dead))
             self.wait(self.executor.submit(Restore(None, self.base, self.base + _VID_SPACE)))
         value = self.executor.value
         for entry in self.tracked:
@@ -351,6 +401,8 @@ class Skeleton(Recorder):
         self._new_recipes: list[tuple] = []
         self._new_parked: list[tuple] = []  # (op index, output slot, storage key) to offload
         self._due: list[Any] = []  # planned instructions due after the op just issued
+        self._swept_for_writes = False  # the op just issued wrote state in place, after a sweep
+        self._node_bytes: dict[int, int] = {}  # node id -> its new bytes, for nodes not sized
         self._issued: list | None = None  # while a call is captured: the ops execute issued
         self.templated = 0  # calls issued from templates
         # with a plan: the site of each op issued, in order (the step's path signature), and
@@ -362,6 +414,12 @@ class Skeleton(Recorder):
         # no executor work of an earlier step is pending, so outside tensors are as Python sees
         self.mirrors: Mirrors | None = None
         self.mirrored_fetches = 0
+
+    def on_external(self, t: torch.Tensor) -> None:
+        session = self.session
+        if session.budget is not None:  # (value_of has just added its value)
+            sid = self.trace.values[-1].storage
+            session.met_state(sid, self.trace.storage_bytes.get(sid, 0))
 
     def start(self, base: Any, mirrors: bool = True) -> None:
         self.trace.computed = False
@@ -496,9 +554,18 @@ class Skeleton(Recorder):
             self._issued.append((rec.index, func, args, kwargs, node))
         clean = not data_dependent and slots and all(x is None for x in slots)
         grad_mode = torch.is_grad_enabled()
+        new_bytes = 0
+        if session.budget is not None and clean:  # (the guard's room for it: executor/guard.py)
+            if node.sized:
+                new_bytes = _new_bytes(node, self.cursor.metas)
+            else:  # (the same every step)
+                new_bytes = self._node_bytes.get(node.id, -1)
+                if new_bytes < 0:
+                    new_bytes = self._node_bytes[node.id] = _new_bytes(node, node.out_metas)
         position = self._issue(
             rec, node, func, ins_args, ins_kwargs, refs,
             tuple((base + x._vid, new) for x, new in moves), data_dependent or check, clean, grad_mode,
+            new_bytes,
         )  # fmt: skip
         if self.backwards.capturing:
             self.backwards.log(rec, func, args, kwargs, moves, refs, base, grad_mode)
@@ -536,7 +603,7 @@ class Skeleton(Recorder):
 
     def _issue(
         self, rec: OpRecord, node: Any, func: Any, ins_args: list, ins_kwargs: dict, refs: tuple,
-        moves: tuple, data_dependent: bool, clean: bool, grad_mode: bool,
+        moves: tuple, data_dependent: bool, clean: bool, grad_mode: bool, new_bytes: int = 0,
     ) -> int:
         """Send op ``rec`` (matched to ``node``) to the executor: into the open planned block,
         with its arena place and, under a budget, its recipe and due drops and moves.
@@ -550,12 +617,15 @@ class Skeleton(Recorder):
             if ctx is not self._ctx:  # (ops of one loop iteration share their context)
                 self._ctx, self._its = ctx, iterations(ctx)
             its = self._its
-            self.sites.append(Site(node.id, its))
+            site = Site(node.id, its)
+            self.sites.append(site)
+            if session.site_bytes is not None and not session.guarded and session.outgrew(site, new_bytes):
+                session.guard()
         arena_out = None
         if session.arena is not None and clean:
             arena_out = self._arena_out(func, node, its, n_ret)
         recipe = False
-        if remat is not None:
+        if remat is not None and not session.guarded:  # (outgrown: the guard alone, from here)
             if clean:
                 recipe = self._is_recipe(remat, node, rec, its, n_ret)
             due = remat.after.get(Site(node.id, its))
@@ -569,13 +639,19 @@ class Skeleton(Recorder):
         self.backwards.grad_modes.append(grad_mode)
         if self.mirrors is not None:
             self.mirrors.issued(node, rec)
+        writes = schema_of(func).writes if session.budget is not None else ()
+        if session.guarded:
+            if writes and not moves and not self._swept_for_writes:
+                session.sweep_before_write()
+            self._swept_for_writes = bool(writes) and not moves
         deferred = session.blocks and session.enter(self.sites[-1])
         position = session.submit(
             Run(
                 func, ins_args, ins_kwargs, refs,
                 tuple(base + first + j for j in range(n_ret)),
                 moves, rec.index, rec.key.loc, data_dependent, arena_out, grad_mode, recipe,
-                recipe and schema_of(func).random, deferred,
+                (recipe or session.budget is not None) and schema_of(func).random, deferred, new_bytes,
+                writes, session.guarded and rec.is_backward,
             )
         )  # fmt: skip
         if rec.index in self.trace.in_try:
@@ -814,6 +890,17 @@ _MIRRORED_FETCHES = frozenset({"item", "bool", "float", "int", "index", "tolist"
 # torch-level calls whose C++ writes into a tensor it made through its data pointer
 # (``at::tensor(std::vector)``): a placeholder has no data, so the step runs them eagerly
 _FILLS_NEW_TENSORS = (torch._VF._pad_packed_sequence,)
+
+
+def _new_bytes(node: Any, metas: Any) -> int:
+    """Bytes of the new tensors among an op's returned outputs (not views of its arguments)."""
+    if not metas:
+        return 0
+    alias = node.out_alias
+    return sum(
+        m.nbytes for k, m in enumerate(metas[: node.n_returned])
+        if m is not None and (k >= len(alias) or alias[k] is None)
+    )  # fmt: skip
 
 
 def _repoints_inside_a_call(func: Any, args: tuple, call: Any, session: Any) -> bool:

@@ -103,6 +103,11 @@ class TapeStats:
     step_seconds: float = 0.0
     planned_step_seconds: float | None = None
     over_budget_steps: int = 0  # co-executed steps over the budget (paths not yet planned, larger steps)
+    # interpret backend: steps the executor's guard held within the budget (executor/guard.py:
+    # steps larger than their plan, from their first op larger than planned; steps without a
+    # plan), and the values it dropped in the latest step
+    guarded_steps: int = 0
+    guard_drops: int = 0
     # plans are made in the background (coexec/planning.py): the observed paths the plan in
     # use has seen, and the time steps spent asking for plans, taking them, or waiting for one
     # (only under a memory budget)
@@ -146,6 +151,8 @@ class Program:
         self.gradient_blocks = GradientBlocks()  # its backward calls' blocks
         self.native_budget: NativeBudget | None = None  # under a budget on the native backend
         self.budget: int | None = None
+        self.state_bytes = 0  # the state its latest step found: a budgeted step's guard counts it
+        self.site_bytes: dict = {}  # under a budget, per site the most its op made in the planned steps
         self.budget_error: tuple | None = None  # BudgetTooSmall's arguments
         self.plan_failure: str | None = None  # planning to the budget failed (a bug): why
         self.offload: bool | None = None  # the tape's offload setting the plans are made with
@@ -336,6 +343,8 @@ class Program:
         """The plan from the next step on, with its arena, allocated once up front at exactly
         the planned size (it counts whole)."""
         self.schedule = schedule
+        budgeted = schedule is not None and schedule.budget is not None
+        self.site_bytes = _site_bytes(self.plan.paths) if budgeted else {}
         self.block_index = BlockIndex(schedule.blocks) if schedule is not None and schedule.blocks else None
         self.arena_outs = {}
         if schedule is None or schedule.arena_bytes == 0:
@@ -724,7 +733,9 @@ class _TracingRecorder(Recorder):
 
 
 class _ProgramSkeleton(Skeleton):
-    on_external = staticmethod(_meet)
+    def on_external(self, t: torch.Tensor) -> None:
+        _meet(t)
+        super().on_external(t)
 
 
 def _report_row(
@@ -892,7 +903,7 @@ class _Step:
     def _new_session(self, program: Program) -> Session:
         return Session(
             self.ex, self.tape.timeout, program.schedule, program.arena, program.block_index, program.arena_outs,
-            budget=self.tape.memory_budget,
+            budget=self.tape.memory_budget, state_bytes=program.state_bytes, site_bytes=program.site_bytes,
         )
 
     # -- which program (coexec/programs.py) -------------------------------------------------
@@ -958,6 +969,8 @@ class _Step:
         stats.steps += 1
         if self.rec is not None:
             stats.last_ops = len(self.rec.trace.ops)
+            if self.tape.memory_budget is not None:
+                self.program.state_bytes = _persistent_bytes(self.rec.trace)
         try:
             if self.phase == "tracing":
                 self.rec.stop(error)
@@ -1090,6 +1103,9 @@ class _Step:
         stats.executor_seconds += max(0.0, now.busy_seconds - before.busy_seconds)
         stats.peak_bytes = now.peak_bytes + _persistent_bytes(self.rec.trace)
         stats.recomputed_ops = now.recomputed - before.recomputed
+        stats.guard_drops = now.guard_drops - before.guard_drops
+        if session.guarded:
+            stats.guarded_steps += 1
         stats.offloaded_storages = now.offloaded - before.offloaded
         stats.copy_wait_seconds = now.copy_wait_seconds - before.copy_wait_seconds
         stats.planned_blocks = now.blocks - before.blocks
@@ -1170,6 +1186,25 @@ def loop_shape(signature: tuple) -> tuple:
 def _allocated_bytes(trace: Any) -> int:
     """Bytes of every storage a step's trace holds (what grows with its sizes)."""
     return sum(trace.storage_bytes.values())
+
+
+def _site_bytes(paths: Any) -> dict:
+    """Per site, the bytes of new tensors its op made in the step a plan was made for (a
+    step's op that makes more has outgrown the plan: its guard takes over). Of a site on
+    several paths, the least: a step's path is known only at its end, and the plan holds each
+    path only at the sizes of that path's own step."""
+    found: dict = {}
+    for path in paths:
+        values = path.trace.values
+        for op, site in zip(path.trace.ops, path.sites):
+            alias = op.out_alias
+            n = sum(
+                values[v].meta.nbytes for k, v in enumerate(op.outputs[: op.n_returned])
+                if k >= len(alias) or alias[k] is None
+            )  # fmt: skip
+            if n < found.get(site, n + 1):
+                found[site] = n
+    return found
 
 
 def _persistent_bytes(trace: Any) -> int:

@@ -13,6 +13,7 @@ recomputation and offloading; and until the native module is built).
 
 from . import native
 from .engine import NativeExecutor, make_executor
+from .guard import Cap
 from .memory import LiveBytes, ResetPeak, laid_out, span_bytes
 from .offload import HostPool, Offload, Prefetch, Wait, measure_bandwidth
 from .remat import Drop, Restore
@@ -22,7 +23,7 @@ from .stream import (
 )  # fmt: skip
 
 __all__ = [
-    "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorStats", "ExecutorTimeout",
+    "Cap", "Drop", "Executor", "ExecutorDied", "ExecutorError", "ExecutorStats", "ExecutorTimeout",
     "Follow", "Free", "FreeRange", "HostPool", "Instruction", "Launch", "LiveBytes", "NativeExecutor", "Offload", "Prefetch",
     "ResetPeak", "Restore", "Run", "RunAhead", "Wait", "laid_out", "make_executor", "measure_bandwidth", "native", "span_bytes",
     "writes_in_place",

@@ -152,6 +152,14 @@ class LiveBytes:
                 del self._ends[offset]
                 self._starts.remove(offset)
 
+    def holders(self, key: int) -> tuple[int, int]:
+        """Of the storage at address ``key``: the values on it, and the bytes taking them all
+        out of the table would free (0 for arena memory, or a storage not counted)."""
+        entry = self._storages.get(key)
+        if entry is None:
+            return 0, 0
+        return entry[0], entry[1] if entry[2] == _ALLOCATED else 0
+
     def reset_peak(self) -> None:
         self.peak = self.live
 

@@ -56,6 +56,12 @@ class Recipes:
         self.waiting: set[int] = set()  # pinned values Python let go of: freed when unpinned
         self.dropped: set[int] = set()
         self.rng_states: dict[int, tuple] = {}  # id(recipe) -> RNG state it first ran with
+        # recipes that stay after a remake, so their outputs can be dropped again (the guard's:
+        # executor/guard.py), and the values they made again since the guard last looked
+        self.lasting: Callable[[Any], bool] = lambda ins: False
+        self.remade: list[int] = []
+        self.again: Callable[[Any], None] = lambda ins: None  # before each remake
+        self.ran_again: Callable[[Any], None] = lambda ins: None  # after each remake
         self.recomputed = 0  # recipes run again
         self.seconds = 0.0  # time spent running them
 
@@ -99,13 +105,19 @@ class Recipes:
 
     def recompute(self, ins: Any) -> None:
         t0 = time.perf_counter()
+        self.again(ins)
         outs = self.call(ins)
+        self.ran_again(ins)
+        lasting = self.lasting(ins)
         for vid, t in zip(ins.outs, outs):
             if vid in self.dropped:
                 self.dropped.discard(vid)
                 self.values[vid] = t
                 self.memory.add(t)
-        self._retire(ins)
+                if lasting:
+                    self.remade.append(vid)
+        if not lasting:
+            self.retire(ins)
         self.recomputed += 1
         self.seconds += time.perf_counter() - t0
 
@@ -113,10 +125,11 @@ class Recipes:
         """Values about to be written in place: recipes reading them must not run later."""
         for vid in vids:
             for ins in list(self.readers.get(vid, ())):
+                if self.lasting(ins):
+                    continue  # (the guard's: it looks at every write, executor/guard.py)
                 if any(v in self.dropped for v in ins.outs):
                     self.recompute(ins)
-                else:
-                    self._retire(ins)
+                self.retire(ins)
 
     def restore(self, vids: Any) -> None:
         for vid in list(vids):
@@ -135,7 +148,7 @@ class Recipes:
         live = {id(ins) for ins in self.by_out.values()}
         self.rng_states = {k: v for k, v in self.rng_states.items() if k in live}
 
-    def _retire(self, ins: Any) -> None:
+    def retire(self, ins: Any) -> None:
         for vid in ins.outs:
             if self.by_out.get(vid) is ins:
                 del self.by_out[vid]

@@ -33,6 +33,7 @@ from planner.schedule import Block
 
 from .memory import LiveBytes, ResetPeak, laid_out
 from .offload import HostPool, Offload, Offloads, Prefetch, Wait
+from .guard import MIN_BYTES, Cap, Guard
 from .remat import Drop, Recipes, Restore, replayed_rng, rng_state
 
 
@@ -80,6 +81,9 @@ class Run:
     recipe: bool = False  # keep it to recompute its outputs after a Drop (executor/remat.py)
     random: bool = False  # a random op: a recipe keeps the RNG state it ran with
     deferred: bool = False  # held until the block's Launch, then run in its planned order
+    new_bytes: int = 0  # bytes of the new tensors it makes, where a guard needs room (Cap)
+    writes: tuple = ()  # argument positions it writes in place, where a guard keeps recipes
+    backward: bool = False  # an op of a backward pass, where a guard keeps no recipe
 
 
 @dataclass(slots=True)
@@ -122,7 +126,7 @@ class _Fault:
 
 
 Instruction = Union[
-    Run, Free, FreeRange, Launch, Follow, ResetPeak, HostPool, Offload, Wait, Prefetch, Drop, Restore,
+    Run, Free, FreeRange, Launch, Follow, ResetPeak, HostPool, Offload, Wait, Prefetch, Drop, Restore, Cap,
     _Fault,
 ]
 
@@ -159,6 +163,7 @@ class ExecutorStats:
     recomputed: int  # ops run again (memory budget)
     offloaded: int  # storages parked on the host
     copy_wait_seconds: float  # waiting for copies to land
+    guard_drops: int = 0  # values the guard dropped to hold its cap (executor/guard.py)
 
 
 _STOP = object()
@@ -196,6 +201,7 @@ class _Worker:
         self.memory = LiveBytes()
         self.recipes = Recipes(self.values, self.recall, self.free_value, self.memory)
         self.offloads = Offloads(self.values, self.memory)
+        self.guard = Guard(self.values, self.recipes, self.memory)
         self.want: int | None = None
         self.event = threading.Event()
         # the open block: deferred runs, instructions taken meanwhile (counted done at the
@@ -219,6 +225,7 @@ class _Worker:
             Launch: self._on_launch, Follow: self._on_follow, Drop: self._on_drop, Offload: self._on_offload,
             Wait: self._on_wait, Prefetch: self._on_prefetch, HostPool: self._on_host_pool,
             ResetPeak: self._on_reset_peak, Restore: self._on_restore, _Fault: self._on_fault,
+            Cap: self._on_cap,
         }  # fmt: skip
         threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self.loop, args=(threads,), name=name, daemon=True)
@@ -270,6 +277,8 @@ class _Worker:
                 self.released.add(v)  # a deferred run still makes or reads it
             elif not (recipes and recipes.holds(v)):
                 self.free_value(v)
+            elif self.guard.mine:
+                self.guard.released(v)
         if self.following is not None:
             self._advance()  # memory went down: maybe the next op fits
 
@@ -280,6 +289,7 @@ class _Worker:
         for v in [v for v in values if ins.lo <= v < ins.hi]:
             self.memory.remove(values.pop(v))
         self.recipes.clear_range(ins.lo, ins.hi)
+        self.guard.clear_range(ins.lo, ins.hi)
         self.offloads.clear_range(ins.lo, ins.hi)
         self.released = {v for v in self.released if not ins.lo <= v < ins.hi}
 
@@ -304,6 +314,7 @@ class _Worker:
         self._advance()
 
     def _on_drop(self, ins: Drop) -> None:
+        self.guard.plan_drops(ins.vids)  # (their bytes: room for their remakes under a cap later)
         self.recipes.drop(ins.vids)
 
     def _on_offload(self, ins: Offload) -> None:
@@ -322,6 +333,10 @@ class _Worker:
     def _on_reset_peak(self, ins: ResetPeak) -> None:
         self.memory.attach(ins.arena)
         self.memory.reset_peak()
+        self.guard.set_cap(None)  # (a step under a budget sends its own: Cap)
+
+    def _on_cap(self, ins: Cap) -> None:
+        self.guard.set_cap(ins.nbytes)
 
     def _on_restore(self, ins: Restore) -> None:
         if self.error is None:
@@ -436,13 +451,18 @@ class _Worker:
                 released.discard(vid)
                 if not (self.recipes and self.recipes.holds(vid)):
                     self.free_value(vid)
+                elif self.guard.mine:
+                    self.guard.released(vid)
 
     def free_value(self, vid: int) -> None:
         t = self.values.pop(vid, None)
         if t is not None:
             self.memory.remove(t)
-        if self.recipes:
-            self.recipes.forget(vid)
+        recipes = self.recipes
+        if recipes or recipes.dropped:  # (the last recipe may be gone, not its dropped values)
+            recipes.forget(vid)
+            if self.guard.made:
+                self.guard.forget(vid)
         if self.offloads:
             self.offloads.forget(vid)
 
@@ -505,7 +525,11 @@ class _Worker:
         if ins.vids is not None:
             vids = ins.vids
         else:
-            vids = [v for v in (*recipes.dropped, *offloads.parcels) if ins.lo <= v < ins.hi]
+            # (not what the program let go of, dropped while only recipes read it)
+            dropped = [v for v in recipes.dropped if v not in recipes.waiting]
+            vids = [v for v in (*dropped, *offloads.parcels) if ins.lo <= v < ins.hi]
+        guard = self.guard
+        cap, guard.cap = guard.cap, None  # (what the program holds: not dropped again meanwhile)
         try:
             offloads.restore(vids)
             recipes.restore(vids)
@@ -513,11 +537,16 @@ class _Worker:
             err = ExecutorError(f"recomputing a dropped value failed: {type(e).__name__}: {e}")
             err.__cause__ = e
             self.error = err
+        finally:
+            guard.cap = cap
 
     def run(self, ins: Run, values: dict) -> None:
         args = ins.args
         kwargs = ins.kwargs
         self.set_grad_mode(ins.grad_mode)
+        guard = self.guard
+        if guard.cap is not None:
+            guard.before(ins)
         try:
             if ins.refs:
                 args, kwargs = self.arguments(ins, values)
@@ -525,7 +554,9 @@ class _Worker:
                 self.recipes.before_write([old for old, _new in ins.moves])
             if ins.moves and self.offloads.out:
                 self.offloads.before_write([old for old, _new in ins.moves])
-            if ins.recipe and ins.random:
+            if ins.writes and guard.mine:
+                guard.before_write(_written(ins, args, kwargs), guard.links(ins), bool(ins.moves))
+            if ins.random and (ins.recipe or (guard.cap is not None and (ins.moves or ins.new_bytes >= MIN_BYTES))):
                 self.recipes.rng_states[id(ins)] = rng_state(args, kwargs)
             out = None
             if ins.arena_out is not None:
@@ -549,6 +580,13 @@ class _Worker:
                     memory.add(t, inputs)
             if ins.recipe:
                 self.recipes.keep(ins)
+            elif guard.cap is not None:
+                if ins.moves:
+                    guard.ran_in_place(ins)
+                else:
+                    guard.ran(ins, args, kwargs)
+        if self.recipes.remade:
+            guard.settle()
         if ins.keep_result:
             self.results[ins.op_index] = out
 
@@ -585,6 +623,19 @@ class _Worker:
         _IN_PLACE.add(out_func)
         self.arena_hits += 1
         return views[0] if len(views) == 1 else tuple(views)
+
+
+def _written(ins: Run, args: list, kwargs: dict) -> list:
+    """The tensors ``ins`` writes in place (its arguments at ``ins.writes``)."""
+    names = ins.func._schema.arguments
+    found: list = []
+    for i in ins.writes:
+        x = args[i] if i < len(args) else kwargs.get(names[i].name)
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            found.extend(y for y in x if isinstance(y, torch.Tensor))
+    return found
 
 
 def _failed(ins: Run, e: BaseException) -> ExecutorError:
@@ -634,6 +685,7 @@ class Executor:
             blocks=w.blocks, native_ops=0, run_ahead=RunAhead(*w.ahead),
             recomputed=w.recipes.recomputed,
             offloaded=w.offloads.offloaded, copy_wait_seconds=w.offloads.wait_seconds,
+            guard_drops=w.guard.evicted,
         )  # fmt: skip
 
     def away(self, vid: int | None = None) -> bool:
@@ -715,6 +767,7 @@ class Executor:
             w.error = None
             w.memory.clear()
             w.recipes.__init__(w.values, w.recall, w.free_value, w.memory)
+            w.guard.__init__(w.values, w.recipes, w.memory)
             w.offloads.clear()
             w.block, w.ran, w.held, w.pending, w.future, w.released = [], [], 0, {}, set(), set()
             w.following, w.cursor, w.issued, w.stopped = None, 0, 0, (-1, -1)
