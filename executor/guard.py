@@ -304,15 +304,6 @@ class Guard:
         if not self.mine:
             self.by_storage.clear()
 
-    def plan_drops(self, vids: tuple) -> None:
-        """The plan drops ``vids``: their bytes, for the room their remakes need if the step
-        outgrows its plan before they are read (:meth:`before`)."""
-        for vid in vids:
-            t = self.values.get(vid)
-            if t is not None:
-                key = _ptr(t)
-                self.dropped_bytes[vid] = (key, self.memory.holders(key)[1])
-
     # -- dropping -------------------------------------------------------------------------
     def _drop(self, vid: int) -> None:
         t = self.values.get(vid)
@@ -366,11 +357,12 @@ class Guard:
         recipes = self.recipes
         if vid not in recipes.dropped:
             return
-        key, nbytes = self.dropped_bytes.get(vid, (-vid, 0))  # (a plan's drop: not counted)
+        ins = recipes.by_out.get(vid)
+        # (a plan's drop: what its recipe makes, known without looking when it was dropped)
+        key, nbytes = self.dropped_bytes.get(vid) or (-vid, ins.new_bytes if ins is not None else 0)
         if key in found:
             return
         found[key] = nbytes
-        ins = recipes.by_out.get(vid)
         if ins is not None:
             for _a, _i, v in ins.refs:
                 self._remade_storages(v, found)

@@ -314,7 +314,6 @@ class _Worker:
         self._advance()
 
     def _on_drop(self, ins: Drop) -> None:
-        self.guard.plan_drops(ins.vids)  # (their bytes: room for their remakes under a cap later)
         self.recipes.drop(ins.vids)
 
     def _on_offload(self, ins: Offload) -> None:
