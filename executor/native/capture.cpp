@@ -176,6 +176,7 @@ class Capture {
     path_.clear();
     path_hash_ = 0;
     first_value_ = next_value_;
+    step_nodes_ = StepNodes::from_now();
     describing_ = describe_next_ && worker_ != nullptr;
     describe_next_ = false;
     if (describing_) {
@@ -434,6 +435,7 @@ class Capture {
   std::unordered_map<uint64_t, std::vector<Block>> blocks_;  // by the hash of their path
   std::vector<Block> no_blocks_;
   GraphWalker walker_;
+  StepNodes step_nodes_;  // the autograd nodes this step makes (a block's graph is made of them)
   // per backward() line: blocks made there since one was last used; past kBlocksPerSite (paths
   // that never repeat) one is made only every `wait` calls there, `wait` doubling each time
   struct Making {
@@ -808,7 +810,7 @@ int Capture::backward_begin(const at::Tensor& loss, const std::vector<at::Tensor
   if (saved_hooks_) return engine("saved-tensor hooks were active in the step (checkpointing, offloading)");
   if (torch::autograd::AnomalyMode::is_enabled()) return engine("anomaly detection is on");
   if (!loss.defined() || !loss.grad_fn()) return engine("the loss has no gradient function");
-  const GraphWalk& w = walker_.walk(loss.grad_fn().get());
+  const GraphWalk& w = walker_.walk(loss.grad_fn().get(), step_nodes_);
   struct Forget {  // (whichever way this returns)
     GraphWalker& walker;
     ~Forget() { walker.forget(); }

@@ -17,6 +17,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <array>
@@ -113,11 +115,27 @@ struct GraphWalk {
   std::string why_not;              // not empty: Python runs in this backward, or a hook does
 };
 
+// Where a step's autograd nodes begin: the nodes the step's thread makes from its start on carry
+// this thread's id and a sequence number from `first` on (torch's own numbering of nodes, which
+// the engine orders by). A node outside that range was made before the step, or in another thread.
+struct StepNodes {
+  uint64_t first = 0;
+  uint64_t thread = 0;
+
+  static StepNodes from_now() { return {at::sequence_number::peek(), at::RecordFunction::currentThreadId()}; }
+  bool made_in_step(const torch::autograd::Node& n) const {
+    return n.sequence_nr() >= first && n.thread_id() == thread;
+  }
+};
+
 // Walks the autograd graph a backward from a root runs, as the engine would find it; its buffers
 // are reused, and what kind each node type is is remembered (a walk runs every backward()).
+// A graph with a node the step did not make (`step`: a forward run before the step, outside the
+// tape, or a graph kept from an earlier step) is no block's: its nodes' formulas hold numbers and
+// tensors of a forward the capture did not see, which the step's path does not vouch for.
 class GraphWalker {
  public:
-  const GraphWalk& walk(torch::autograd::Node* root) {
+  const GraphWalk& walk(torch::autograd::Node* root, const StepNodes& step) {
     using torch::autograd::AccumulateGrad;
     w_.digest = 0;
     w_.nodes.clear();
@@ -144,6 +162,10 @@ class GraphWalker {
       if (!n->pre_hooks().empty() || !n->tensor_pre_hooks().empty() || !n->retains_grad_hooks().empty() ||
           !n->post_hooks().empty()) {
         w_.why_not = "a node of the graph has hooks (register_hook, retain_grad, a module's hook)";
+        return w_;
+      }
+      if (kind == kPlain && !step.made_in_step(*n)) {
+        w_.why_not = "the graph has a node made before the step (a forward outside the tape, a graph kept from an earlier step)";
         return w_;
       }
       h = mix(h, reinterpret_cast<uintptr_t>(type));  // (one type_info per type in a process)
