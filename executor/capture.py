@@ -40,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import site
+import sysconfig
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +54,7 @@ from executor import native
 from executor.engine_watch import PythonWatch
 from executor.step_plans import DescribedOp, DropPlan, StepDescription
 from executor.tracebacks import traceback_through
+from executor.try_scopes import catching_spans
 
 Mode = Literal["async", "replay", "tape"]
 
@@ -101,7 +104,9 @@ class Capture:
                 "(switched off by COEXEC_NATIVE=0, or it could not be built: see the warning)"
             )
         self._native = built
-        self._c = built.Capture(mode, torch.get_num_threads(), _internal_dirs())
+        self._c = built.Capture(
+            mode, torch.get_num_threads(), _internal_dirs(), _library_dirs(), catching_spans, _with_place
+        )
         self._following: DropPlan | None = None
 
     def step(self) -> _CapturedStep:
@@ -176,7 +181,25 @@ class Capture:
         self._c = None
 
 
-_FAILED_ON_THE_WORKER = "coexec: an op of the captured step failed when the executor ran it"
+def _with_place(
+    error: BaseException, index: int, frames: list[tuple[str, int, str]]
+) -> BaseException:
+    """An op's error raised after the program went on past the op (it ran on the worker): eager's
+    exception, with a note saying where the op was called and a traceback that goes on to that
+    line (``native/capture.cpp``, ``raise_failure``). Ops called inside a ``try`` that may catch
+    their error run at once, so their errors are raised at their line, as in eager."""
+    where = ", in ".join(f"{file}:{line} in {name}" for file, line, name in frames) or "an unknown place"
+    note = (
+        f"coexec: raised by op {index} of the captured step, called at {where}; the executor ran "
+        "it after the step's Python had gone on past that line"
+    )
+    if hasattr(error, "add_note"):  # (Python 3.11+)
+        error.add_note(note)
+    with contextlib.suppress(Exception):  # (the op's error is never hidden behind this one)
+        tb = traceback_through(frames)
+        if tb is not None:
+            error = error.with_traceback(tb)
+    return error
 
 
 class _CapturedStep:
@@ -199,25 +222,8 @@ class _CapturedStep:
             with contextlib.suppress(Exception):  # (the step's own error is the one to see)
                 self._c.end()
             return False
-        try:
-            self._c.end()
-        except RuntimeError as error:
-            tb = _worker_traceback(self._c, error)
-            if tb is None:
-                raise
-            raise error.with_traceback(tb) from None
+        self._c.end()  # (an op's error: raised as eager's, with its place: _with_place)
         return False
-
-
-def _worker_traceback(c, error: RuntimeError) -> TracebackType | None:
-    """For an op that failed on the worker, a traceback to where it was called; else None (also
-    if making the frames fails: the step's error is never hidden behind that one)."""
-    if not str(error).startswith(_FAILED_ON_THE_WORKER):
-        return None
-    try:
-        return traceback_through(c.failure_frames)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 @functools.cache
@@ -230,6 +236,18 @@ def _internal_dirs() -> list[str]:
     ]
     # (as imported and with links resolved: code objects name their file as it was imported)
     return sorted({str(p) + os.sep for d in dirs for p in (d, d.resolve())})
+
+
+@functools.cache
+def _library_dirs() -> list[str]:
+    """Where installed code is (site-packages, the standard library): its try blocks do not make
+    ops run at once (a test runner's, a notebook's or a trainer's ``except BaseException:`` around
+    the program would make every step eager); the program's own do (``executor/try_scopes.py``)."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    dirs.add(site.getusersitepackages())
+    return sorted({str(p) + os.sep for d in dirs for p in (Path(d), Path(d).resolve())})
 
 
 def is_placeholder(t: torch.Tensor) -> bool:

@@ -38,6 +38,7 @@
 #include <ATen/SavedTensorHooks.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <c10/util/intrusive_ptr.h>
 #include <Python.h>
@@ -139,8 +140,17 @@ enum Backward : int { kReplayed = 0, kEngine = 1, kRecord = 2 };
 
 class Capture {
  public:
-  Capture(const std::string& mode, int threads, std::vector<std::string> internal)
-      : internal_(std::move(internal)) {
+  // `internal`: the directories of torch's and coexec's code; `libraries`: those of other
+  // installed code (site-packages, the standard library), whose try blocks are not looked at;
+  // `catching`: a code object's spans where an ``except`` may catch an op's error
+  // (executor/try_scopes.py); `with_place`: an op's error given the note and traceback of where
+  // the op was called (executor/capture.py)
+  Capture(const std::string& mode, int threads, std::vector<std::string> internal,
+          std::vector<std::string> libraries, py::object catching, py::object with_place)
+      : internal_(std::move(internal)),
+        libraries_(std::move(libraries)),
+        catching_(std::move(catching)),
+        with_place_(std::move(with_place)) {
     if (mode == "async") {
       mode_ = Mode::kAsync;
     } else if (mode == "replay") {
@@ -162,7 +172,7 @@ class Capture {
     }
     if (!codes_.empty()) {
       py::gil_scoped_acquire gil;
-      for (auto& [code, internal] : codes_) Py_DECREF(code);
+      for (auto& [code, facts] : codes_) Py_DECREF(code);
     }
   }
 
@@ -177,6 +187,7 @@ class Capture {
     path_hash_ = 0;
     first_value_ = next_value_;
     step_nodes_ = StepNodes::from_now();
+    find_step_frame();
     describing_ = describe_next_ && worker_ != nullptr;
     describe_next_ = false;
     if (describing_) {
@@ -401,15 +412,27 @@ class Capture {
     int lasti;
     PyCodeObject* user;  // the innermost frame outside torch and coexec (null: none)
     int user_lasti;
+    bool in_try = false;  // a user frame up to the step's calls it inside a try that may catch its error
   };
   std::vector<Place> places_;
   std::vector<Frame> failure_frames_;
   // every code object met on the way to an op, owned (places_ and the cache's keys point into
   // it; a reference per op would need the GIL per op), and whether it is torch's or coexec's
-  std::unordered_map<PyCodeObject*, bool> codes_;
+  struct CodeFacts {
+    bool internal = false;  // torch's or coexec's
+    // the user's own (not installed code's): [begin, end) offsets where a try may catch an op's error
+    std::vector<std::pair<int, int>> catching;
+  };
+  std::unordered_map<PyCodeObject*, CodeFacts> codes_;
   static constexpr size_t kHotCodes = 61;
-  std::array<std::pair<PyCodeObject*, bool>, kHotCodes> hot_codes_{};  // (internal)
+  std::array<std::pair<PyCodeObject*, const CodeFacts*>, kHotCodes> hot_codes_{};
   std::vector<std::string> internal_;  // the directories whose code is not the user's
+  std::vector<std::string> libraries_;  // the directories of installed code (not torch's or coexec's)
+  py::object catching_, with_place_;  // (the constructor's)
+  // the frame of the step's ``with`` (the first user frame at begin(); null: none), and whether a
+  // frame above it calls it inside a try that may catch an op's error (then every op runs at once)
+  const void* step_frame_ = nullptr;
+  bool outer_try_ = false;
   int64_t ops_ = 0, misses_ = 0, run_now_ = 0, kernel_ns_ = 0, wait_ns_ = 0;
   int64_t shaped_ = 0;  // ops new at their line whose outputs the shape oracle computed
   int64_t cap_ = 0;     // the guard's cap (guard())
@@ -561,31 +584,41 @@ class Capture {
     if (mode_ == Mode::kTape) tape_.clear();
   }
 
-  // The worker's first failure as a Python error naming the op and the line that called it;
-  // the capture is usable again after it.
+  // The worker's first failure, raised as eager raises it (the same Python exception type and
+  // message: torch's own translation of the op's C++ error), with a note and a traceback through
+  // the line that called the op (the program had gone on past it); the capture is usable again
+  // after it.
   void raise_failure() {
     if (!worker_) return;
-    auto [index, message] = worker_->error();
+    auto [index, error] = worker_->error();
     if (index < 0) return;
     worker_->clear_error();
-    std::string where = "an unknown place";
     failure_frames_.clear();
-    {
-      py::gil_scoped_acquire gil;
-      if (index < static_cast<int64_t>(places_.size()) && places_[index].code != nullptr) {
-        const Place& p = places_[index];
-        // the user's line first, then the library's where the op was made inside it
-        const bool inside = p.user != nullptr && (p.user != p.code || p.user_lasti != p.lasti);
-        if (inside) failure_frames_.push_back(frame_of(p.user, p.user_lasti));
-        failure_frames_.push_back(frame_of(p.code, p.lasti));
-        where.clear();
-        for (const auto& [file, line, name] : failure_frames_)
-          where += (where.empty() ? "" : ", in ") + file + ":" + std::to_string(line) + " in " + name;
-      }
+    py::gil_scoped_acquire gil;
+    std::string op = "an op";
+    if (index < static_cast<int64_t>(places_.size()) && places_[index].code != nullptr) {
+      const Place& p = places_[index];
+      // the user's line first, then the library's where the op was made inside it
+      const bool inside = p.user != nullptr && (p.user != p.code || p.user_lasti != p.lasti);
+      if (inside) failure_frames_.push_back(frame_of(p.user, p.user_lasti));
+      failure_frames_.push_back(frame_of(p.code, p.lasti));
     }
     places_.clear();
-    throw std::runtime_error("coexec: an op of the captured step failed when the executor ran it (op " +
-                             std::to_string(index) + ", called at " + where + "): " + message);
+    as_python_error(error);  // (sets Python's error indicator)
+    py::error_already_set raised;
+    py::object found = with_place_(raised.value(), index, failure_frames_);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(found.ptr())), found.ptr());
+    throw py::error_already_set();
+  }
+
+  // Set Python's error as torch sets it for `error` thrown by an op called from Python.
+  static void as_python_error(std::exception_ptr error) {
+    [&]() -> PyObject* {
+      HANDLE_TH_ERRORS
+      std::rethrow_exception(error);
+      return nullptr;
+      END_HANDLE_TH_ERRORS
+    }();
   }
 
   static Frame frame_of(PyCodeObject* code, int lasti) {  // (GIL held)
@@ -593,27 +626,94 @@ class Capture {
             py::str(code->co_name).cast<std::string>()};
   }
 
-  // Is `code` torch's or coexec's (not the user's)? It is held from now on; the GIL is taken
-  // for a code object not seen before.
-  bool internal(PyCodeObject* code, std::optional<py::gil_scoped_acquire>& gil) {
+  // What is known of `code`: torch's or coexec's (not the user's), and where a try of it may
+  // catch an op's error. It is held from now on; the GIL is taken for a code object not seen before.
+  const CodeFacts& facts(PyCodeObject* code, std::optional<py::gil_scoped_acquire>& gil) {
     // (a direct-mapped cache in front of the map: locate asks 3-8 times an op)
     auto& hot = hot_codes_[(reinterpret_cast<uintptr_t>(code) >> 4) % kHotCodes];
-    if (hot.first == code) return hot.second;
+    if (hot.first == code) return *hot.second;
     auto it = codes_.find(code);
-    if (it != codes_.end()) {
-      hot = *it;
-      return it->second;
+    if (it == codes_.end()) {
+      if (!gil) gil.emplace();
+      Py_INCREF(code);
+      const std::string file = py::str(code->co_filename).cast<std::string>();
+      CodeFacts f;
+      const auto under = [&file](const std::vector<std::string>& dirs) {
+        for (const std::string& dir : dirs)
+          if (file.compare(0, dir.size(), dir) == 0) return true;
+        return false;
+      };
+      f.internal = under(internal_);
+      if (!f.internal && !under(libraries_) && catching_)
+        for (const auto& span : catching_(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(code))))
+          f.catching.emplace_back(span.cast<std::pair<int, int>>());
+      it = codes_.emplace(code, std::move(f)).first;
     }
-    if (!gil) gil.emplace();
-    Py_INCREF(code);
-    const std::string file = py::str(code->co_filename).cast<std::string>();
-    bool in = false;
-    for (const std::string& dir : internal_) in = in || file.compare(0, dir.size(), dir) == 0;
-    codes_.emplace(code, in);
-    return in;
+    hot = {code, &it->second};  // (a map's values stay where they are)
+    return it->second;
   }
 
-  static constexpr int kUserDepth = 64;  // frames looked through for the user's
+  bool internal(PyCodeObject* code, std::optional<py::gil_scoped_acquire>& gil) { return facts(code, gil).internal; }
+
+  static bool covers(const std::vector<std::pair<int, int>>& spans, int lasti) {
+    for (const auto& [begin, end] : spans)
+      if (begin <= lasti && lasti < end) return true;
+    return false;
+  }
+
+  // Calls `visit(frame, code, lasti)` for this thread's Python frames, innermost first, until it
+  // returns true or `depth` frames were seen: on CPython 3.11 through its interpreter frames,
+  // without the GIL (this thread's own, which only this thread changes); elsewhere through frame
+  // objects, with it.
+  template <class Visit>
+  void each_frame(int depth, std::optional<py::gil_scoped_acquire>& gil, Visit&& visit) {
+#ifdef COEXEC_FRAME_WITHOUT_GIL
+    PyThreadState* ts = PyGILState_GetThisThreadState();
+    _PyInterpreterFrame* f = ts != nullptr && ts->cframe != nullptr ? ts->cframe->current_frame : nullptr;
+    for (int d = 0; f != nullptr && d < depth; f = f->previous, ++d)
+      if (!_PyFrame_IsIncomplete(f) &&
+          visit(static_cast<const void*>(f), f->f_code,
+                _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT))))
+        return;
+#else
+    if (!gil) gil.emplace();
+    PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
+    Py_XINCREF(f);
+    for (int d = 0; f != nullptr && d < depth; ++d) {
+      PyCodeObject* code = PyFrame_GetCode(f);  // (a new reference: facts() holds its own)
+      const bool stop = visit(static_cast<const void*>(f), code, PyFrame_GetLasti(f));
+      Py_DECREF(code);
+      if (stop) break;
+      PyFrameObject* back = PyFrame_GetBack(f);  // (a new reference)
+      Py_DECREF(f);
+      f = back;
+    }
+    Py_XDECREF(f);
+#endif
+  }
+
+  // At begin(): the step's ``with`` frame (the first user frame), and whether a frame above it
+  // calls it inside a try that may catch an op's error (``try: train_step() except
+  // IndexError:``): such a step runs every op at once, as eager, so that the Python after a
+  // failing op does not run (its optimizer step, say).
+  void find_step_frame() {
+    step_frame_ = nullptr;
+    outer_try_ = false;
+    std::optional<py::gil_scoped_acquire> gil;
+    each_frame(kOuterDepth, gil, [&](const void* frame, PyCodeObject* code, int lasti) {
+      const CodeFacts& c = facts(code, gil);
+      if (c.internal) return false;
+      if (step_frame_ == nullptr) {
+        step_frame_ = frame;
+        return false;
+      }
+      outer_try_ = covers(c.catching, lasti);
+      return outer_try_;
+    });
+  }
+
+  static constexpr int kUserDepth = 128;  // frames looked through for the user's and the step's
+  static constexpr int kOuterDepth = 1024;  // frames looked through above the step's
 
   // The op's key (its innermost Python frame's code and offset: an op inside a library function
   // is told apart by its line there), and where it was called kept under its index in the step
@@ -639,49 +739,27 @@ class Capture {
     return k;
   }
 
-  // The walk outwards from the innermost Python frame (visit): on CPython 3.11 through its
-  // interpreter frames, without the GIL; elsewhere through frame objects, with it.
+  // The walk outwards from the innermost Python frame: the op's own place, the user's (the first
+  // frame outside torch and coexec), and whether a user frame from there to the step's ``with``
+  // calls it inside a try that may catch its error (Place::in_try).
   void walk(Place& place, std::optional<py::gil_scoped_acquire>& gil) {
-#ifdef COEXEC_FRAME_WITHOUT_GIL
-    PyThreadState* ts = PyGILState_GetThisThreadState();
-    _PyInterpreterFrame* f = ts != nullptr && ts->cframe != nullptr ? ts->cframe->current_frame : nullptr;
-    for (int depth = 0; f != nullptr && depth < kUserDepth; f = f->previous, ++depth)
-      if (!_PyFrame_IsIncomplete(f) &&
-          visit(f->f_code, _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT)), place, gil))
-        break;
-#else
-    gil.emplace();
-    walk_with_gil(place, gil);
-#endif
-  }
-
-  // walk() with the GIL held: through frame objects.
-  void walk_with_gil(Place& place, std::optional<py::gil_scoped_acquire>& gil) {
-    PyFrameObject* f = PyEval_GetFrame();  // (borrowed)
-    Py_XINCREF(f);
-    for (int depth = 0; f != nullptr && depth < kUserDepth; ++depth) {
-      PyCodeObject* code = PyFrame_GetCode(f);  // (a new reference: internal() holds its own)
-      const bool user = visit(code, PyFrame_GetLasti(f), place, gil);
-      Py_DECREF(code);
-      if (user) break;
-      PyFrameObject* back = PyFrame_GetBack(f);  // (a new reference)
-      Py_DECREF(f);
-      f = back;
-    }
-    Py_XDECREF(f);
-  }
-
-  // One frame of locate's walk outwards: the first is the op's own place; true at the user's
-  // (the first outside torch and coexec), where the walk stops.
-  bool visit(PyCodeObject* code, int lasti, Place& place, std::optional<py::gil_scoped_acquire>& gil) {
-    if (place.code == nullptr) {
-      place.code = code;
-      place.lasti = lasti;
-    }
-    if (internal(code, gil)) return false;
-    place.user = code;
-    place.user_lasti = lasti;
-    return true;
+    each_frame(kUserDepth, gil, [&](const void* frame, PyCodeObject* code, int lasti) {
+      const CodeFacts& c = facts(code, gil);
+      if (place.code == nullptr) {
+        place.code = code;
+        place.lasti = lasti;
+      }
+      if (c.internal) return place.user != nullptr && frame == step_frame_;
+      if (place.user == nullptr) {
+        place.user = code;
+        place.user_lasti = lasti;
+      }
+      if (covers(c.catching, lasti)) {
+        place.in_try = true;
+        return true;
+      }
+      return step_frame_ == nullptr || frame == step_frame_;
+    });
   }
 
   // Cache what `op` made (its returns on `stack`) from `args`, whose tensors had the metadata
@@ -831,6 +909,7 @@ int Capture::backward_begin(const at::Tensor& loss, const std::vector<at::Tensor
         return engine("a leaf's .grad is not a strided tensor");
   }
   const Place site = here();
+  if (site.in_try || outer_try_) return engine("the backward() is inside a try (its ops run at once, so that an error is raised there)");
   const auto bucket = blocks_.find(path_hash_);
   for (Block& b : bucket != blocks_.end() ? bucket->second : no_blocks_) {
     if (b.graph != w.digest || b.path != path_ || b.inputs != leaf_of) continue;
@@ -1209,6 +1288,9 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) saved_hooks_ = true;
   const int64_t index = static_cast<int64_t>(places_.size());  // (locate adds this op's place)
   const Key key = locate(op);
+  // (called inside a try that may catch its error: run at once, so that the error is raised
+  // here, into the handler, and the Python after it does not run first)
+  const bool in_try = outer_try_ || places_.back().in_try;
   const Entry* cached = nullptr;
   auto it = cache_.find(key);
   if (it != cache_.end())
@@ -1217,11 +1299,11 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // (a new variant the oracle answered: its outputs checked when the worker runs it, once: the
   // cache's answers are its)
   bool shaped = false;
-  if (cached == nullptr) {
+  if (cached == nullptr && !(in_try && mode_ == Mode::kAsync)) {
     cached = shape(op, key, args);
     shaped = cached != nullptr;
   }
-  if (mode_ == Mode::kAsync && (cached == nullptr || cached->run_now || changes_written(*cached, args))) {
+  if (mode_ == Mode::kAsync && (in_try || cached == nullptr || cached->run_now || changes_written(*cached, args))) {
     if (cached == nullptr) {
       ++misses_;
       missed_ = true;
@@ -1334,8 +1416,10 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
 
 void bind_capture(py::module_& m) {
   py::class_<Capture>(m, "Capture")
-      .def(py::init<const std::string&, int, std::vector<std::string>>(), py::arg("mode"), py::arg("threads"),
-           py::arg("internal"))
+      .def(py::init<const std::string&, int, std::vector<std::string>, std::vector<std::string>, py::object,
+                    py::object>(),
+           py::arg("mode"), py::arg("threads"), py::arg("internal"), py::arg("libraries"), py::arg("catching"),
+           py::arg("with_place"))
       .def("begin", &Capture::begin)
       .def("end", &Capture::end)
       .def("pause", &Capture::pause)

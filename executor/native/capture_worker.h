@@ -404,11 +404,6 @@ const at::Tensor& value_of(Slot& s) {
   return s.real;
 }
 
-std::string failure(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
 // -- the worker ------------------------------------------------------------------------------
 // Ops cross to the worker through a ring of entries with one writer (the step's thread) and one
 // reader (the worker): the writer fills the next free entry in place and publishes it by a
@@ -460,8 +455,8 @@ class Worker final : public RoomMaker {
   // Wait until every op published so far has run (without the GIL, if this thread holds it).
   void drain() { wait_without_gil(published_.load(std::memory_order_relaxed)); }
 
-  // The first failure since clear_error(): (op index, message), or index -1.
-  std::pair<int64_t, std::string> error() {
+  // The first failure since clear_error(): the op's index (-1: none) and what it threw.
+  std::pair<int64_t, std::exception_ptr> error() {
     std::lock_guard<std::mutex> g(mu_);
     return {failed_at_, error_};
   }
@@ -525,7 +520,7 @@ class Worker final : public RoomMaker {
   void clear_error() {
     std::lock_guard<std::mutex> g(mu_);
     failed_at_ = -1;
-    error_.clear();
+    error_ = nullptr;
     failed_.store(false, std::memory_order_release);
   }
 
@@ -545,7 +540,7 @@ class Worker final : public RoomMaker {
   std::atomic<bool> draining_{false};  // a drain sleeps: the op that ends it must say so
   std::atomic<bool> failed_{false};    // ops after a failure are dropped until clear_error()
   int64_t failed_at_ = -1;
-  std::string error_;
+  std::exception_ptr error_;  // (raised in the step's thread as eager raises it: Capture::raise_failure)
   Grave grave_;                   // arguments Python holds too, let go of under the GIL
   std::vector<at::Tensor> held_;  // (scratch for bury)
   // the step's memory plan (Drops), as the worker follows it
@@ -1049,7 +1044,7 @@ class Worker final : public RoomMaker {
         } catch (const std::exception& ex) {
           std::lock_guard<std::mutex> g(mu_);
           failed_at_ = e.index;
-          error_ = failure(ex);
+          error_ = std::current_exception();
           failed_.store(true, std::memory_order_release);
         }
       }

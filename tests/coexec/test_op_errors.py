@@ -1,0 +1,220 @@
+"""An op's error on the default backend is eager's (type and message), raised at the line that
+called the op into whatever ``try`` the program wrote, and a program that catches it trains
+as eager does (issue 51, §2 and §3): an op called inside a ``try`` that may catch its error
+runs at once (``executor/try_scopes.py``), as does every op of a step called inside one."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import coexec
+from executor import native
+from executor.try_scopes import catching_spans
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="the default backend's capture")
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(idx)).mean()
+
+
+def _make() -> tuple[Model, torch.optim.Optimizer, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    # every third batch has an index past the table: its embedding raises IndexError
+    batches = [torch.randint(0, 100 if i % 3 else 120, (16,)) for i in range(6)]
+    for i in range(0, 6, 3):
+        batches[i][3] = 110
+    return model, opt, batches
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.detach().clone() for t in model.state_dict().values()]
+    for st in opt.state.values():
+        out += [v.clone() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def handled_inside(within, steps: int):
+    """``try: h = emb(idx) / except IndexError: h = emb(idx.clamp(max=99))`` in the step."""
+    model, opt, batches = _make()
+    losses, caught = [], 0
+    for i in range(steps):
+        idx = batches[i % len(batches)]
+        with within():
+            try:
+                h = model.emb(idx)
+            except IndexError:
+                caught += 1
+                h = model.emb(idx.clamp(max=99))
+            loss = model.out(h).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+    return losses, _state(model, opt), caught
+
+
+def skipped_outside(within, steps: int):
+    """``try: <the whole step under the tape> / except IndexError: continue``: a failing step
+    must leave the optimizer as eager leaves it (no step, no new state)."""
+    model, opt, batches = _make()
+    losses, caught = [], 0
+    for i in range(steps):
+        idx = batches[i % len(batches)]
+        try:
+            with within():
+                opt.zero_grad()
+                loss = model(idx)
+                loss.backward()
+                opt.step()
+        except IndexError:
+            caught += 1
+            continue
+        losses.append(loss.item())
+    return losses, _state(model, opt), caught
+
+
+def _train_step(model, opt, idx, within):
+    with within():
+        opt.zero_grad()
+        loss = model(idx)
+        loss.backward()
+        opt.step()
+    return loss
+
+
+def skipped_a_frame_above(within, steps: int):
+    """The ``try`` in the caller of the function whose ``with`` holds the step."""
+    model, opt, batches = _make()
+    losses, caught = [], 0
+    for i in range(steps):
+        try:
+            loss = _train_step(model, opt, batches[i % len(batches)], within)
+        except IndexError:
+            caught += 1
+            continue
+        losses.append(loss.item())
+    return losses, _state(model, opt), caught
+
+
+@pytest.mark.parametrize("program", [handled_inside, skipped_outside, skipped_a_frame_above])
+def test_a_caught_op_error_trains_as_eager(program) -> None:
+    want_losses, want_state, want_caught = program(contextlib.nullcontext, 12)
+    tape = coexec.GradientTape()
+    got_losses, got_state, got_caught = program(lambda: tape, 12)
+    assert tape.backend == "native" and tape.stats.coexec_steps == 12
+    assert (got_caught, len(got_state)) == (want_caught, len(want_state)) and want_caught == 4
+    assert got_losses == want_losses
+    for a, b in zip(got_state, want_state):
+        assert torch.equal(a, b)
+
+
+def _lookup(table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    return table(idx)
+
+
+def test_an_uncaught_op_error_is_eagers_with_a_traceback_to_its_line() -> None:
+    """Outside any try the op runs on the worker: its error comes where the step next waits (here
+    its end), as eager's exception and message, the traceback going on to the line that called
+    it, and a note saying so."""
+    table = nn.Embedding(10, 4)
+    bad = torch.tensor([1, 12])
+    with pytest.raises(IndexError) as eager:
+        _lookup(table, bad)
+    tape = coexec.GradientTape()
+    with tape:
+        _lookup(table, torch.tensor([1, 2])).sum()
+    with pytest.raises(IndexError) as captured, tape:
+        _lookup(table, bad).sum()
+    assert str(captured.value) == str(eager.value)
+    line = _lookup.__code__.co_firstlineno + 1
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(captured.value.__traceback__)]
+    assert (__file__, line, "_lookup") in frames
+    assert any(re.search(rf"{re.escape(__file__)}:{line} in _lookup", n) for n in captured.value.__notes__)
+    with tape:  # (the tape goes on)
+        assert _lookup(table, torch.tensor([3])).shape == (1, 4)
+
+
+def test_ops_in_a_handled_try_run_at_once_and_others_on_the_worker() -> None:
+    table = nn.Embedding(10, 4)
+    tape = coexec.GradientTape()
+    for _ in range(3):
+        with tape:
+            a = table(torch.tensor([1, 2])).sum()
+            a.item()
+    plain = tape.stats.native_ops
+    for _ in range(3):
+        with tape:
+            try:
+                a = table(torch.tensor([1, 2])).sum()
+            except KeyboardInterrupt:  # (no op raises it: ops stay on the worker)
+                raise
+            a.item()
+    assert tape.stats.native_ops == plain
+    for _ in range(3):
+        with tape:
+            try:
+                a = table(torch.tensor([1, 2])).sum()
+            except (IndexError, RuntimeError):
+                raise
+            a.item()
+    assert tape.stats.native_ops < plain
+
+
+def _spans_of(source: str) -> list[tuple[int, int]]:
+    namespace: dict = {}
+    exec(compile(source, "<spans>", "exec"), namespace)  # noqa: S102 (the test's own source)
+    return catching_spans(namespace["f"].__code__)
+
+
+@pytest.mark.parametrize(
+    ("source", "catches"),
+    [
+        ("def f(x):\n try:\n  x = x + 1\n except IndexError:\n  pass\n return x", True),
+        ("def f(x):\n try:\n  x = x + 1\n except:\n  pass\n return x", True),
+        ("def f(x):\n try:\n  x = x + 1\n except (KeyError, StopIteration):\n  pass\n return x", False),
+        ("def f(x):\n try:\n  x = x + 1\n except KeyError:\n  pass\n except Exception:\n  pass\n return x", True),
+        ("def f(x):\n try:\n  x = x + 1\n except KeyboardInterrupt:\n  raise\n return x", False),
+        ("def f(x):\n try:\n  x = x + 1\n finally:\n  print(x)\n return x", False),
+        ("def f(x, cm):\n with cm:\n  x = x + 1\n return x", False),
+        ("def f(x, cm):\n try:\n  with cm:\n   x = x + 1\n except ValueError:\n  pass\n return x", True),
+        ("import torch\ndef f(x):\n try:\n  x = x + 1\n except torch.OutOfMemoryError:\n  pass\n return x", True),
+    ],
+)
+def test_which_trys_may_catch_an_ops_error(source: str, catches: bool) -> None:
+    spans = _spans_of(source)
+    assert bool(spans) == catches, spans
+
+
+def test_an_op_error_comes_at_the_next_read_as_eagers() -> None:
+    """Read by ``.item()`` later in the step, the failed op's error comes there: eager's
+    IndexError, noting the op's line; the step and the tape go on being usable."""
+    table = nn.Embedding(10, 4)
+    tape = coexec.GradientTape()
+    for _ in range(2):
+        with tape:
+            (_lookup(table, torch.tensor([1, 2])) * 2).sum().item()
+    with pytest.raises(IndexError) as raised, tape:  # (a with, not a try: the op runs on the worker)
+        h = _lookup(table, torch.tensor([1, 12]))
+        (h * 2).sum().item()
+    assert str(raised.value) == "index out of range in self"
+    assert any("in _lookup" in n for n in raised.value.__notes__)
+    assert traceback.extract_tb(raised.value.__traceback__)[0].name == "test_an_op_error_comes_at_the_next_read_as_eagers"
+    with tape:
+        total = _lookup(table, torch.tensor([1, 2])).sum().item()
+    assert total == table(torch.tensor([1, 2])).sum().item()
