@@ -228,14 +228,20 @@ class _CapturedStep:
 
 @functools.cache
 def _internal_dirs() -> list[str]:
-    """Where torch's and coexec's own Python files are: an error on the worker names the
-    innermost frame outside them (the user's line) before the op's own frame."""
+    """Where torch's and coexec's own Python files are (prefixes of their paths): an error on
+    the worker names the innermost frame outside them (the user's line) before the op's own
+    frame, and their try blocks are not looked at. The fuzzer's programs
+    (``coexec/fuzz/interp.py``) are not among them: they are user code, as the recorder sees
+    them (the fuzzer's harness, which catches what a step raises to compare it, is coexec's)."""
+    root = Path(__file__).parents[1]
     dirs = [Path(torch.__file__).parent]
-    dirs += [
-        Path(__file__).parents[1] / name for name in ("coexec", "executor", "tracegraph", "planner")
-    ]
+    dirs += [root / name for name in ("executor", "tracegraph", "planner")]
+    files = [p for p in (root / "coexec").iterdir() if p.name != "fuzz"]
+    files += [p for p in (root / "coexec" / "fuzz").iterdir() if p.name != "interp.py"]
     # (as imported and with links resolved: code objects name their file as it was imported)
-    return sorted({str(p) + os.sep for d in dirs for p in (d, d.resolve())})
+    out = {str(p) + os.sep for d in dirs for p in (d, d.resolve())}
+    out |= {str(p) + (os.sep if p.is_dir() else "") for f in files for p in (f, f.resolve())}
+    return sorted(out)
 
 
 @functools.cache

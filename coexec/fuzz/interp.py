@@ -8,6 +8,7 @@ into its :class:`Env` so the runner can compare it with eager's.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 from collections.abc import Callable
@@ -32,6 +33,8 @@ class Env:
     text: io.StringIO = field(default_factory=io.StringIO)
     saved: tuple[torch.Tensor, ...] = ()
     tape: Any = None  # the coexec run's tape (``tape_gradient`` calls its ``gradient``)
+    # the context of each part of the step the tape holds (the tape, or nothing in the eager run)
+    within: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 Fn = Callable[[torch.Tensor, Env], torch.Tensor]
@@ -208,6 +211,7 @@ class State:
     opt: torch.optim.Optimizer
     carry: torch.Tensor | None = None  # ``carry``: a detached activation kept from the last step
     losses: list[torch.Tensor] = field(default_factory=list)  # ``kept_losses``
+    flipped: tuple[torch.Tensor, torch.Tensor] | None = None  # ``accumulate``: the second batch
 
 
 def build(spec: Spec) -> State:
@@ -226,8 +230,40 @@ def batch(spec: Spec, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def step(state: State, i: int, env: Env) -> torch.Tensor:
-    """One training step of the program; returns the loss."""
-    spec, net, opt, extra = state.spec, state.net, state.opt, state.spec.extra
+    """One training step of the program, its parts inside ``with env.within():`` as the spec's
+    tape boundary says (the whole step by default); returns the loss."""
+    extra = state.spec.extra
+    if "new_optimizer" in extra and i % 4 == 3:  # (between steps: a fresh object, the same state)
+        fresh = OPTIMIZERS[state.spec.optimizer](state.net.parameters(), state.spec.lr)
+        fresh.load_state_dict(state.opt.state_dict())
+        state.opt = fresh
+    if "forward_outside" in extra:
+        loss, out, x = _forward(state, i, env)
+        with env.within():
+            _backward(state, i, env, loss, out, x)
+            _update(state, i, env, loss, x)
+    elif "optimizer_outside" in extra:
+        with env.within():
+            loss, out, x = _forward(state, i, env)
+            _backward(state, i, env, loss, out, x)
+        _update(state, i, env, loss, x)
+    elif "two_withs" in extra:
+        with env.within():
+            loss, out, x = _forward(state, i, env)
+            _backward(state, i, env, loss, out, x)
+        with env.within():
+            _update(state, i, env, loss, x)
+    else:
+        with env.within():
+            loss, out, x = _forward(state, i, env)
+            _backward(state, i, env, loss, out, x)
+            _update(state, i, env, loss, x)
+    return loss
+
+
+def _forward(state: State, i: int, env: Env) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Data, gradients cleared, the forward and the loss (and a double backward's penalty)."""
+    spec, opt, extra = state.spec, state.opt, state.spec.extra
     x, y = batch(spec, i)
     opt.zero_grad(set_to_none=spec.set_to_none)
     if "carry" in extra and state.carry is not None:
@@ -238,6 +274,16 @@ def step(state: State, i: int, env: Env) -> torch.Tensor:
     if "grad_penalty" in extra:  # double backward (WGAN-GP style)
         (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
         loss = loss + 0.1 * (gx.norm(2, dim=1) - 1).pow(2).mean()
+    if "accumulate" in extra:
+        state.flipped = (x.flip(0), y.flip(0))
+    return loss, out, x
+
+
+def _backward(
+    state: State, i: int, env: Env, loss: torch.Tensor, out: torch.Tensor, x: torch.Tensor
+) -> None:
+    """Hooks, fetches, the backward pass(es), the carried activation, a mid-step checkpoint."""
+    spec, net, extra = state.spec, state.net, state.spec.extra
     if "grad_hook" in extra:
         out.register_hook(lambda g: _hook(g, env))
     if "fetches" in extra:
@@ -248,7 +294,7 @@ def step(state: State, i: int, env: Env) -> torch.Tensor:
         (loss * 0.75).backward()
     elif "accumulate" in extra:  # two backward passes into the same gradients
         (loss * 0.5).backward()
-        loss2, _ = _loss(state, x.flip(0), y.flip(0), env)
+        loss2, _ = _loss(state, *state.flipped, env)
         (loss2 * 0.5).backward()
     if "carry" in extra:
         state.carry = out.detach().mean(0).repeat(spec.width // N_OUT + 1)[: spec.width]
@@ -263,6 +309,11 @@ def step(state: State, i: int, env: Env) -> torch.Tensor:
         env.tape.gradient(loss, net.parameters())  # into .grad, as backward() (eager's run)
     else:
         loss.backward()
+
+
+def _update(state: State, i: int, env: Env, loss: torch.Tensor, x: torch.Tensor) -> None:
+    """Clipping, learning rates, the optimizer step, and what comes after it."""
+    spec, net, opt, extra = state.spec, state.net, state.opt, state.spec.extra
     if spec.clip is not None:
         nn.utils.clip_grad_norm_(net.parameters(), spec.clip)
     if spec.lr_mode == "lr_schedule":
@@ -284,7 +335,6 @@ def step(state: State, i: int, env: Env) -> torch.Tensor:
     if "kept_losses" in extra:
         state.losses = [*state.losses[-3:], loss]  # placeholders of earlier steps, kept
         print("mean", torch.stack([l.detach() for l in state.losses]).mean(), file=env.text)
-    return loss
 
 
 def _hook(g: torch.Tensor, env: Env) -> torch.Tensor:

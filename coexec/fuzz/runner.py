@@ -150,8 +150,8 @@ def run_once(
                 if tamper is not None:
                     tamper(state, i)
                 env.tape = tape
-                with tape:
-                    loss = step(state, i, env)
+                env.within = lambda: tape
+                loss = step(state, i, env)
                 if tape.sync == "none":
                     coexec.synchronize()  # the run-ahead executor: before reading state
             rec = StepRecord(

@@ -29,7 +29,14 @@ EXTRA = (
     "carry", "accumulate", "no_grad_eval", "param_clamp", "mask", "kept_losses",
     "grad_penalty", "retain_graph", "grad_hook", "fetches", "max_traces_2", "no_arena",
     "tape_gradient", "sync_none",
+    # where the step's ``with tape:`` begins and ends (BOUNDARIES; at most one, the first drawn)
+    "forward_outside", "optimizer_outside", "two_withs",
+    "new_optimizer",  # the optimizer replaced by a fresh one holding its state, every 4th step
 )  # fmt: skip
+# The parts of the step a ``with tape:`` holds, other than the whole step: the forward (and the
+# loss) before the tape; the clipping, learning rates and optimizer step after it; or the
+# forward and backward in one ``with``, the optimizer in a second.
+BOUNDARIES = ("forward_outside", "optimizer_outside", "two_withs")
 FEATURES = MODULES + CODE + OPTIMIZERS + STEP + EXTRA
 
 
@@ -121,7 +128,9 @@ def generate(seed: int, features: Iterable[str] | None = None) -> Spec:
     loss_branch = rng.choice((None, 0.3, 0.8, 1.2))
     checkpoint_every = rng.choice((None, None, 2, 3, 5))
     loss, lr = rng.choice(("mse", "ce")), rng.choice((0.001, 0.01, 0.03))
-    extra = frozenset(f for f in EXTRA if rng.random() < 0.2 and f in allowed)
+    extra = [f for f in EXTRA if rng.random() < 0.2 and f in allowed]
+    bounds = [f for f in extra if f in BOUNDARIES]
+    extra = frozenset(f for f in extra if f not in BOUNDARIES or f == bounds[0])
     return Spec(
         seed=seed,
         width=width,

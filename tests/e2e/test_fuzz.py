@@ -4,10 +4,12 @@ itself is deterministic, covers every feature and reports planted divergences wh
 from __future__ import annotations
 
 import collections
+import itertools
 
 import pytest
 
 from coexec.fuzz import FEATURES, generate, run_program
+from coexec.fuzz.spec import BOUNDARIES
 from coexec.fuzz.__main__ import main
 from coexec.fuzz.interp import State
 from executor import native
@@ -44,7 +46,8 @@ def test_generated_program_is_bit_equal_to_eager_on_the_native_backend(seed):
     native.wait()  # (a step before the module is loaded runs eagerly: nothing would be checked)
     r = run_program(seed, STEPS, backend="native")
     assert not r.failed, r
-    assert r.coexec_steps == r.steps or r.eager_error is not None, r
+    withs = 2 if "two_withs" in generate(seed).extra else 1  # (tape steps per program step)
+    assert r.coexec_steps == withs * r.steps or r.eager_error is not None, r
 
 
 @_NEEDS_NATIVE
@@ -54,6 +57,30 @@ def test_generated_program_is_bit_equal_to_eager_on_the_native_backend_longer(se
     native.wait()
     r = run_program(seed, 30, backend="native")
     assert not r.failed, r
+
+
+def _seeds_with(feature: str, n: int) -> list[int]:
+    """The first ``n`` seeds whose programs have ``feature``."""
+    return list(itertools.islice((s for s in itertools.count() if feature in generate(s).extra), n))
+
+
+@_NEEDS_NATIVE
+@pytest.mark.parametrize("feature", [*BOUNDARIES, "new_optimizer"])
+def test_programs_with_part_of_the_step_outside_the_tape_are_bit_equal(feature):
+    """The forward before the ``with``, the optimizer after it, two ``with`` blocks per step, an
+    optimizer replaced between steps (issue 51: a forward outside the tape diverged on the
+    default backend, and the fuzzer did not find it)."""
+    native.wait()
+    for seed in _seeds_with(feature, 4):
+        r = run_program(seed, 12, backend="native")
+        assert not r.failed, r
+
+
+@_NEEDS_NATIVE
+def test_a_try_in_a_program_catches_an_op_failing_on_data_on_the_native_backend():
+    native.wait()
+    r = run_program(3, 8, features=("gru", "try_index", "sgd"), backend="native")
+    assert r.coexec_error is None and not r.failed, r
 
 
 def test_a_try_in_the_fuzzers_own_code_catches_an_op_failing_on_data():
