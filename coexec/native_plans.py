@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 from executor.step_plans import StepDescription
@@ -98,9 +98,29 @@ def _state_bytes(d: StepDescription) -> int:
     return sum(n for n, existed in zip(d.storage_bytes, d.existed) if existed)
 
 
+_pending: set[Future] = set()  # plans asked for and not yet made (wait_for_native_plans)
+_pending_lock = threading.Lock()
+
+
+def wait_for_native_plans(timeout: float | None = None) -> bool:
+    """Wait until the memory plans asked for so far are made; False if ``timeout`` ran out."""
+    with _pending_lock:
+        pending = list(_pending)
+    done, not_done = wait(pending, timeout)
+    return not not_done
+
+
 def _submit(d: StepDescription, budget: int) -> Future:
     """The plan, made in the child process (here, in a thread, if the child cannot run)."""
     f: Future = Future()
+    with _pending_lock:
+        _pending.add(f)
+
+    def made(done: Future) -> None:
+        with _pending_lock:
+            _pending.discard(done)
+
+    f.add_done_callback(made)
 
     def plan() -> None:
         try:
@@ -209,6 +229,7 @@ class NativeBudget:
         stats.peak_bytes = (persistent or 0) + cpu.cpu_bytes()[1] - self.live0
         followed = self._followed()
         stats.planned_peak_bytes = followed.planned_peak if followed is not None else None
+        stats.plans_made, stats.planning_seconds = self.plans_made, self.planning_seconds
         c = capture.counters
         stats.recomputed_ops = c.remade - self.remade0
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0

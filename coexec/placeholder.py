@@ -167,12 +167,22 @@ _SPECIAL = {
 }
 
 
+# What the interpret backend's placeholders need of torch, installed by its first co-executed
+# step (install_for_placeholders), never at import: a program that imports coexec and does not
+# run such a step sees torch unchanged.
+#
 # ``nn.Parameter(t)`` of a tensor of the step (``copy.deepcopy(model)`` makes one of each
 # parameter's ``data.clone()``): a parameter is a new leaf over the value, so it is made of the
 # real tensor (Python waits for it), as eager makes it of a plain tensor. Without this,
 # ``Parameter`` takes its path for tensor subclasses, whose ``detach()`` is an op eager never
 # ran there: the step fell back at it, and the parameter came out a plain tensor, an error.
+#
+# Code that picks a path by a tensor's exact type (``clip_grad_norm_``'s foreach norms, the
+# optimizers' foreach default) takes the path eager takes for a placeholder too, as torch does
+# for its DTensor: else a co-executed step took the per-tensor loop where its traced steps took
+# ``_foreach_norm``, another path (one more trace for every program that clips gradients).
 _PARAMETER_NEW = torch.nn.Parameter.__new__
+_installed = False
 
 
 def _parameter_new(cls: type, data: Any = None, requires_grad: bool = True) -> torch.Tensor:
@@ -181,16 +191,17 @@ def _parameter_new(cls: type, data: Any = None, requires_grad: bool = True) -> t
     return _PARAMETER_NEW(cls, data, requires_grad)
 
 
-torch.nn.Parameter.__new__ = staticmethod(_parameter_new)
+def install_for_placeholders() -> None:
+    """Make torch take placeholders as it takes plain tensors (above); once, at the first
+    co-executed step of the interpret backend (placeholders may outlive it: ``sync="none"``)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from torch.optim.optimizer import _foreach_supported_types as optim_foreach
+    from torch.utils._foreach_utils import _foreach_supported_types as utils_foreach
 
-
-# Code that picks a path by a tensor's exact type (``clip_grad_norm_``'s foreach norms, the
-# optimizers' foreach default) takes the path eager takes for a placeholder too, as torch does
-# for its DTensor: else a co-executed step took the per-tensor loop where its traced steps took
-# ``_foreach_norm``, another path (one more trace for every program that clips gradients).
-from torch.optim.optimizer import _foreach_supported_types as _OPTIM_FOREACH  # noqa: E402
-from torch.utils._foreach_utils import _foreach_supported_types as _UTILS_FOREACH  # noqa: E402
-
-for _types in (_UTILS_FOREACH, _OPTIM_FOREACH):
-    if Placeholder not in _types:
-        _types.append(Placeholder)
+    torch.nn.Parameter.__new__ = staticmethod(_parameter_new)
+    for types in (utils_foreach, optim_foreach):
+        if Placeholder not in types:
+            types.append(Placeholder)

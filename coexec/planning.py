@@ -284,5 +284,11 @@ def wait_for_plans(timeout: float | None = None) -> bool:
     """Wait until the plans asked for so far are made (every program, every ``with``); the
     next step of each program then runs on its newest plan. Steps never need this: it is for
     measurements and tests that want the planned steps from a known step on. Returns False if
-    ``timeout`` (seconds) ran out first."""
-    return PLANNER.wait(timeout)
+    ``timeout`` (seconds) ran out first. On the native backend: the memory plans its budgets
+    asked for (``coexec/native_plans.py``)."""
+    from .native_plans import wait_for_native_plans
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if not PLANNER.wait(timeout):
+        return False
+    return wait_for_native_plans(None if deadline is None else max(0.0, deadline - time.monotonic()))

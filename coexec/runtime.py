@@ -106,7 +106,16 @@ def _note_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         sk.optimizers.append(optimizer)
 
 
-register_optimizer_step_post_hook(_note_optimizer_step)
+_hooked = False
+
+
+def hook_optimizer_steps() -> None:
+    """Note each optimizer stepped inside an interpret step (its state is settled at the step's
+    end); registered by the first such step, not at import."""
+    global _hooked
+    if not _hooked:
+        _hooked = True
+        register_optimizer_step_post_hook(_note_optimizer_step)
 
 
 def unescape(leaves: list, optimizers: list) -> None:

@@ -42,6 +42,7 @@ from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
 from .gradients import GradientBlocks, SavedTensors
 from .native_plans import NativeBudget
+from .placeholder import install_for_placeholders
 from .skeleton import Session, Skeleton, raise_executor_error
 
 PHASES = ("tracing", "coexec", "eager")
@@ -78,7 +79,10 @@ class TapeStats:
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order
-    native_ops: int = 0  # of the latest co-executed step: ops the native engine ran, without the GIL
+    # of the latest co-executed step: its ops computed on a thread without the GIL (interpret
+    # backend: by the native engine; native backend: by the capture's worker, which is every op
+    # but those run at once on the step's thread: reads, misses, ops inside a catching try)
+    native_ops: int = 0
     # of the latest co-executed step: its backward() calls issued as known gradient blocks,
     # without the autograd engine (coexec/gradients.py; native: native/capture_blocks.h)
     gradient_blocks: int = 0
@@ -837,7 +841,8 @@ class _NativeStep:
         seconds = time.perf_counter() - self.t0
         s.steps += 1
         s.last_phase = self.phase
-        s.phase = "coexec"
+        # (the next step is captured once the native module is loaded; until then it runs eagerly)
+        s.phase = "coexec" if native.ready() is not None else "eager"
         s.seconds[self.phase] += seconds
         if self.capture is None:
             return
@@ -886,6 +891,8 @@ class _Step:
             self.rec = _TracingRecorder(saved_hooks=tape.memory_budget is None)
             self.rec.start(frame)
         elif self.phase == "coexec":
+            install_for_placeholders()
+            runtime.hook_optimizer_steps()
             ex = self.ex = runtime.executor(budget=tape.memory_budget is not None)
             if ex.error is not None or not ex.alive:
                 ex.reset()

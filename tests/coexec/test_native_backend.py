@@ -157,7 +157,7 @@ def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None
         loss = train_step(state, 0)
     assert not is_placeholder(loss)
     s = tape.stats
-    assert (s.steps, s.coexec_steps, s.last_phase) == (1, 0, "eager")
+    assert (s.steps, s.coexec_steps, s.last_phase, s.phase) == (1, 0, "eager", "eager")
 
 
 @pytest.mark.parametrize(
