@@ -54,7 +54,7 @@ from executor import native
 from executor.engine_watch import PythonWatch
 from executor.step_plans import DescribedOp, DropPlan, StepDescription
 from executor.tracebacks import traceback_through
-from executor.try_scopes import catching_spans
+from executor.try_scopes import try_scopes
 
 Mode = Literal["async", "replay", "tape"]
 
@@ -105,7 +105,7 @@ class Capture:
             )
         self._native = built
         self._c = built.Capture(
-            mode, torch.get_num_threads(), _internal_dirs(), _library_dirs(), catching_spans, _with_place
+            mode, torch.get_num_threads(), _internal_dirs(), _library_dirs(), try_scopes, _with_place
         )
         self._following: DropPlan | None = None
 

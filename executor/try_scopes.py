@@ -8,15 +8,19 @@ one; a handler that does not catch (a ``with`` statement's exit, a ``finally``, 
 after an ``except`` body) hands the exception on from its own instructions, so the chain is
 followed to the first handler that may catch. A handler may catch unless every class it tests
 is one no op raises (``except KeyboardInterrupt:`` around a training loop keeps its steps on
-the worker). A ``with`` whose context manager suppresses errors (``contextlib.suppress``) is
-not seen as catching: its ops run on the worker.
+the worker). A clause *swallows* where its body can end without raising (it reaches
+POP_EXCEPT): the program goes on after the error, so the Python after a failing op must not
+have run; a clause that logs and re-raises does not. A ``with`` whose context manager
+suppresses errors (``contextlib.suppress``) is not seen as catching.
 """
 
 from __future__ import annotations
 
 import dis
 import sys
+from collections.abc import Callable
 from types import CodeType
+from typing import NamedTuple
 
 # Exception classes (by builtin name) that no ATen op raises: handlers that test only these
 # cannot catch an op's error. Anything else (Exception, RuntimeError, IndexError, an attribute
@@ -30,21 +34,37 @@ _NOT_OP_ERRORS = frozenset({
     "AssertionError", "UnicodeError", "UnicodeDecodeError", "UnicodeEncodeError",
     "RecursionError",
 })  # fmt: skip
-_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CONST")
+
+Spans = list[tuple[int, int]]  # [start, end) byte offsets, merged and ascending
 
 
-def catching_spans(code: CodeType) -> list[tuple[int, int]]:
-    """The [start, end) byte offsets of ``code``'s instructions whose error an ``except`` of
-    ``code`` may catch, merged and ascending (empty before Python 3.11: no exception table)."""
+class TryScopes(NamedTuple):
+    """A code object's spans where an ``except`` of it may catch an op's error, and those of them
+    where the clause may also swallow it (go on without raising)."""
+
+    catching: Spans
+    swallowing: Spans
+
+
+class _Handler(NamedTuple):
+    catches: bool
+    swallows: bool
+
+
+_NONE = _Handler(False, False)
+
+
+def try_scopes(code: CodeType) -> TryScopes:
+    """``code``'s :class:`TryScopes` (empty before Python 3.11: no exception table)."""
     if sys.version_info < (3, 11):
-        return []
+        return TryScopes([], [])
     bytecode = dis.Bytecode(code)
     entries = bytecode.exception_entries
     if not entries:
-        return []
+        return TryScopes([], [])
     instructions = list(bytecode)
     at = {ins.offset: i for i, ins in enumerate(instructions)}
-    catches: dict[int, bool] = {}
+    known: dict[int, _Handler] = {}
 
     def entry_at(offset: int):
         for e in entries:  # (the table is short; the innermost entry is the only one that covers it)
@@ -52,74 +72,112 @@ def catching_spans(code: CodeType) -> list[tuple[int, int]]:
                 return e
         return None
 
-    def reaches_catch(target: int, seen: frozenset[int] = frozenset()) -> bool:
-        if target in catches:
-            return catches[target]
-        found = False
-        if _may_catch(instructions, at.get(target)):
-            found = True
-        elif target not in seen:
+    def cleanup_of(offset: int) -> int | None:
+        """Where the handler of the instruction at ``offset`` (a clause body's) begins."""
+        e = entry_at(offset)
+        return None if e is None else e.target
+
+    def reached(target: int, seen: frozenset[int] = frozenset()) -> _Handler:
+        """What the first handler that may catch, on the chain from ``target``, does."""
+        if target in known:
+            return known[target]
+        found = _handler(instructions, at, cleanup_of, at.get(target))
+        if not found.catches and target not in seen:
             outer = entry_at(target)
-            found = outer is not None and reaches_catch(outer.target, seen | {target})
-        catches[target] = found
+            found = _NONE if outer is None else reached(outer.target, seen | {target})
+        known[target] = found
         return found
 
-    spans: list[tuple[int, int]] = []
+    catching: Spans = []
+    swallowing: Spans = []
     for e in entries:
-        if reaches_catch(e.target):
-            if spans and spans[-1][1] >= e.start:
-                spans[-1] = (spans[-1][0], max(spans[-1][1], e.end))
-            else:
-                spans.append((e.start, e.end))
-    spans.sort()
-    merged: list[tuple[int, int]] = []
-    for s, t in spans:
-        if merged and merged[-1][1] >= s:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], t))
+        h = reached(e.target)
+        if h.catches:
+            catching.append((e.start, e.end))
+        if h.swallows:
+            swallowing.append((e.start, e.end))
+    return TryScopes(_merged(catching), _merged(swallowing))
+
+
+def catching_spans(code: CodeType) -> Spans:
+    """Where an ``except`` of ``code`` may catch an op's error (:func:`try_scopes`)."""
+    return try_scopes(code).catching
+
+
+def _merged(spans: Spans) -> Spans:
+    out: Spans = []
+    for s, t in sorted(spans):
+        if out and out[-1][1] >= s:
+            out[-1] = (out[-1][0], max(out[-1][1], t))
         else:
-            merged.append((s, t))
-    return merged
+            out.append((s, t))
+    return out
 
 
-def _may_catch(instructions: list[dis.Instruction], i: int | None) -> bool:
-    """Is the handler starting at instruction ``i`` an ``except`` that may catch an op's error?
-    An ``except`` handler starts with PUSH_EXC_INFO, then pops the exception (a bare ``except:``)
-    or tests it (CHECK_EXC_MATCH; CHECK_EG_MATCH for ``except*``), the test's jump leading to the
-    next clause's test or to the RERAISE of an exception no clause matched; a ``with``'s handler
-    calls its exit (WITH_EXCEPT_START); a ``finally`` runs its body and re-raises. Where the
-    code does not look like any of these, it may catch."""
-    if i is None or instructions[i].opname != "PUSH_EXC_INFO" or i + 1 >= len(instructions):
-        return False
-    at = {ins.offset: k for k, ins in enumerate(instructions)}
+def _handler(
+    instructions: list[dis.Instruction],
+    at: dict[int, int],
+    cleanup_of: Callable[[int], int | None],
+    i: int | None,
+) -> _Handler:
+    """What the handler starting at instruction ``i`` does with an op's error. An ``except``
+    handler starts with PUSH_EXC_INFO, then pops the exception (a bare ``except:``) or tests it
+    (CHECK_EXC_MATCH; CHECK_EG_MATCH for ``except*``), the test's jump leading to the next
+    clause's test or to the RERAISE of an exception no clause matched; a ``with``'s handler calls
+    its exit (WITH_EXCEPT_START); a ``finally`` runs its body and re-raises. Where the code does
+    not look like any of these, it may catch and swallow."""
+    n = len(instructions)
+    if i is None or instructions[i].opname != "PUSH_EXC_INFO" or i + 1 >= n:
+        return _NONE
     k = i + 1
     if instructions[k].opname == "WITH_EXCEPT_START":
-        return False
+        return _NONE
     clauses = 0
+    catches = swallows = False
     for _ in range(256):  # (clauses of one try)
-        if k >= len(instructions):
-            return True
-        if instructions[k].opname == "POP_TOP":  # (a bare except:)
-            return True
+        if k >= n:
+            return _Handler(True, True)
+        if instructions[k].opname == "POP_TOP":  # (a bare except: its body)
+            return _Handler(True, swallows or _ends_normally(instructions, cleanup_of, k + 1, None))
         if instructions[k].opname == "RERAISE":  # (no clause matched, or a finally with no body)
-            return False
+            return _Handler(catches, swallows)
         names: list[str | None] = []
-        while k < len(instructions) and instructions[k].opname not in ("CHECK_EXC_MATCH", "CHECK_EG_MATCH"):
+        while k < n and instructions[k].opname not in ("CHECK_EXC_MATCH", "CHECK_EG_MATCH"):
             ins = instructions[k]
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                 names.append(ins.argval)
             elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_FAST", "LOAD_DEREF", "CALL"):
                 names.append(None)  # (a class not known by its builtin name)
             elif ins.opname in ("RERAISE", "POP_EXCEPT", "RETURN_VALUE", "JUMP_FORWARD", "JUMP_BACKWARD"):
-                return clauses > 0  # (before any test: a finally's body, which re-raises)
+                # (before any test: a finally's body, which re-raises)
+                return _Handler(catches, swallows) if clauses else _NONE
             k += 1
-        if k >= len(instructions):
-            return True
+        if k + 1 >= n:
+            return _Handler(True, True)
         clauses += 1
-        if not names or any(n not in _NOT_OP_ERRORS for n in names):
-            return True
-        jump = instructions[k + 1] if k + 1 < len(instructions) else None
-        if jump is None or "IF_FALSE" not in jump.opname or jump.argval not in at:
-            return True
+        jump = instructions[k + 1]
+        if "IF_FALSE" not in jump.opname or jump.argval not in at:
+            return _Handler(True, True)
+        if not names or any(name not in _NOT_OP_ERRORS for name in names):
+            catches = True
+            swallows = swallows or _ends_normally(instructions, cleanup_of, k + 2, jump.argval)
         k = at[jump.argval]
-    return True
+    return _Handler(True, True)
 
+
+def _ends_normally(
+    instructions: list[dis.Instruction], cleanup_of: Callable[[int], int | None], i: int, end: int | None
+) -> bool:
+    """Can the clause body from instruction ``i`` (to offset ``end``, the next clause's test, or
+    to the body's own cleanup handler) finish without raising? It then pops the exception state
+    (a nested try's handler inside the body is looked through: its POP_EXCEPT counts, which may
+    say a clause swallows where it does not, never the other way)."""
+    if i >= len(instructions):
+        return True
+    stop = cleanup_of(instructions[i].offset)
+    for ins in instructions[i:]:
+        if ins.offset in (end, stop):
+            return False
+        if ins.opname == "POP_EXCEPT":
+            return True
+    return False

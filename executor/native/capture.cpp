@@ -142,8 +142,8 @@ class Capture {
  public:
   // `internal`: the directories of torch's and coexec's code; `libraries`: those of other
   // installed code (site-packages, the standard library), whose try blocks are not looked at;
-  // `catching`: a code object's spans where an ``except`` may catch an op's error
-  // (executor/try_scopes.py); `with_place`: an op's error given the note and traceback of where
+  // `catching`: a code object's spans where an ``except`` may catch (and swallow) an op's error
+  // (executor/try_scopes.py, try_scopes); `with_place`: an op's error given the note and traceback of where
   // the op was called (executor/capture.py)
   Capture(const std::string& mode, int threads, std::vector<std::string> internal,
           std::vector<std::string> libraries, py::object catching, py::object with_place)
@@ -420,8 +420,9 @@ class Capture {
   // it; a reference per op would need the GIL per op), and whether it is torch's or coexec's
   struct CodeFacts {
     bool internal = false;  // torch's or coexec's
-    // the user's own (not installed code's): [begin, end) offsets where a try may catch an op's error
-    std::vector<std::pair<int, int>> catching;
+    // the user's own (not installed code's): [begin, end) offsets where a try may catch an op's
+    // error, and where it may also swallow it (its clause can end without raising)
+    std::vector<std::pair<int, int>> catching, swallowing;
   };
   std::unordered_map<PyCodeObject*, CodeFacts> codes_;
   static constexpr size_t kHotCodes = 61;
@@ -644,9 +645,11 @@ class Capture {
         return false;
       };
       f.internal = under(internal_);
-      if (!f.internal && !under(libraries_) && catching_)
-        for (const auto& span : catching_(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(code))))
-          f.catching.emplace_back(span.cast<std::pair<int, int>>());
+      if (!f.internal && !under(libraries_) && catching_) {
+        const py::tuple scopes = catching_(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(code)));
+        for (const auto& span : scopes[0]) f.catching.emplace_back(span.cast<std::pair<int, int>>());
+        for (const auto& span : scopes[1]) f.swallowing.emplace_back(span.cast<std::pair<int, int>>());
+      }
       it = codes_.emplace(code, std::move(f)).first;
     }
     hot = {code, &it->second};  // (a map's values stay where they are)
@@ -693,9 +696,10 @@ class Capture {
   }
 
   // At begin(): the step's ``with`` frame (the first user frame), and whether a frame above it
-  // calls it inside a try that may catch an op's error (``try: train_step() except
-  // IndexError:``): such a step runs every op at once, as eager, so that the Python after a
-  // failing op does not run (its optimizer step, say).
+  // calls it inside a try that may catch an op's error and go on (``try: train_step() except
+  // IndexError: continue``): such a step runs every op at once, as eager, so that the Python
+  // after a failing op does not run (its optimizer step, say). A clause that re-raises (logs,
+  // then ``raise``) does not count: the error reaches it at the step's end all the same.
   void find_step_frame() {
     step_frame_ = nullptr;
     outer_try_ = false;
@@ -707,7 +711,7 @@ class Capture {
         step_frame_ = frame;
         return false;
       }
-      outer_try_ = covers(c.catching, lasti);
+      outer_try_ = covers(c.swallowing, lasti);
       return outer_try_;
     });
   }

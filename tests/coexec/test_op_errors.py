@@ -16,7 +16,7 @@ from torch import nn
 
 import coexec
 from executor import native
-from executor.try_scopes import catching_spans
+from executor.try_scopes import try_scopes
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="the default backend's capture")
 
@@ -176,29 +176,63 @@ def test_ops_in_a_handled_try_run_at_once_and_others_on_the_worker() -> None:
     assert tape.stats.native_ops < plain
 
 
-def _spans_of(source: str) -> list[tuple[int, int]]:
+def _scopes_of(source: str) -> tuple[bool, bool]:
     namespace: dict = {}
     exec(compile(source, "<spans>", "exec"), namespace)  # noqa: S102 (the test's own source)
-    return catching_spans(namespace["f"].__code__)
+    scopes = try_scopes(namespace["f"].__code__)
+    return bool(scopes.catching), bool(scopes.swallowing)
 
 
 @pytest.mark.parametrize(
-    ("source", "catches"),
+    ("source", "catches", "swallows"),
     [
-        ("def f(x):\n try:\n  x = x + 1\n except IndexError:\n  pass\n return x", True),
-        ("def f(x):\n try:\n  x = x + 1\n except:\n  pass\n return x", True),
-        ("def f(x):\n try:\n  x = x + 1\n except (KeyError, StopIteration):\n  pass\n return x", False),
-        ("def f(x):\n try:\n  x = x + 1\n except KeyError:\n  pass\n except Exception:\n  pass\n return x", True),
-        ("def f(x):\n try:\n  x = x + 1\n except KeyboardInterrupt:\n  raise\n return x", False),
-        ("def f(x):\n try:\n  x = x + 1\n finally:\n  print(x)\n return x", False),
-        ("def f(x, cm):\n with cm:\n  x = x + 1\n return x", False),
-        ("def f(x, cm):\n try:\n  with cm:\n   x = x + 1\n except ValueError:\n  pass\n return x", True),
-        ("import torch\ndef f(x):\n try:\n  x = x + 1\n except torch.OutOfMemoryError:\n  pass\n return x", True),
+        ("def f(x):\n try:\n  x = x + 1\n except IndexError:\n  pass\n return x", True, True),
+        ("def f(x):\n try:\n  x = x + 1\n except:\n  pass\n return x", True, True),
+        ("def f(x):\n try:\n  x = x + 1\n except:\n  print(x)\n  raise\n return x", True, False),
+        ("def f(x):\n try:\n  x = x + 1\n except (KeyError, StopIteration):\n  pass\n return x", False, False),
+        ("def f(x):\n try:\n  x = x + 1\n except KeyError:\n  pass\n except Exception:\n  pass\n return x", True, True),
+        ("def f(x):\n try:\n  x = x + 1\n except KeyError:\n  pass\n except Exception as e:\n  print(e)\n  raise\n return x", True, False),
+        ("def f(x):\n try:\n  x = x + 1\n except Exception as e:\n  raise ValueError() from e\n return x", True, False),
+        ("def f(x):\n try:\n  x = x + 1\n except Exception:\n  if x:\n   raise\n return x", True, True),
+        ("def f(x):\n try:\n  x = x + 1\n except KeyboardInterrupt:\n  raise\n return x", False, False),
+        ("def f(x):\n try:\n  x = x + 1\n finally:\n  print(x)\n return x", False, False),
+        ("def f(x, cm):\n with cm:\n  x = x + 1\n return x", False, False),
+        ("def f(x, cm):\n try:\n  with cm:\n   x = x + 1\n except ValueError:\n  pass\n return x", True, True),
+        ("import torch\ndef f(x):\n try:\n  x = x + 1\n except torch.OutOfMemoryError:\n  pass\n return x", True, True),
     ],
 )
-def test_which_trys_may_catch_an_ops_error(source: str, catches: bool) -> None:
-    spans = _spans_of(source)
-    assert bool(spans) == catches, spans
+def test_which_trys_may_catch_and_swallow_an_ops_error(source: str, catches: bool, swallows: bool) -> None:
+    assert _scopes_of(source) == (catches, swallows)
+
+
+def logged_and_raised(within, steps: int):
+    """A try above the step's ``with`` that logs and re-raises: the error reaches it at the step's
+    end all the same, so the step runs on the worker."""
+    model, opt, batches = _make()
+    losses = []
+    for i in range(steps):
+        try:
+            loss = _train_step(model, opt, batches[1 + i % 2], within)  # (batches 1, 2: in range)
+        except IndexError as e:
+            print("failed:", e)
+            raise
+        losses.append(loss.item())
+    return losses, _state(model, opt), 0
+
+
+def test_a_try_above_the_step_that_re_raises_keeps_its_ops_on_the_worker() -> None:
+    want_losses, want_state, _ = logged_and_raised(contextlib.nullcontext, 6)
+    tape = coexec.GradientTape()
+    got_losses, got_state, _ = logged_and_raised(lambda: tape, 6)
+    assert got_losses == want_losses and all(torch.equal(a, b) for a, b in zip(got_state, want_state))
+    assert tape.stats.native_ops > tape.stats.last_ops // 2  # (not every op at once)
+    model, opt, batches = _make()
+    with pytest.raises(IndexError, match="index out of range") as raised:
+        try:
+            _train_step(model, opt, batches[0], lambda: tape)
+        except IndexError:
+            raise
+    assert raised.value.__notes__  # (raised at the step's end, from the worker)
 
 
 def test_an_op_error_comes_at_the_next_read_as_eagers() -> None:
