@@ -97,6 +97,9 @@ struct PlaceholderImpl : c10::TensorImpl {
   }
 
   void shallow_copy_from(const c10::intrusive_ptr<TensorImpl>& impl) override {
+    // (``t.data = t``: Module._apply does ``p.grad.data = p.grad.to(device)``, which is the same
+    // tensor; letting go of the slot first lost it, and the tensor never got its value)
+    if (impl.get() == this) return;
     TensorImpl::shallow_copy_from(impl);
     if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) {
       let_go_of_slot();

@@ -1,0 +1,138 @@
+"""Ordinary training programs that crashed on the default backend (the native capture) train
+exactly as eager: checkpointing inside the step, ``torch.sparse.mm``, an evaluation under
+``torch.inference_mode()``, two threads training at once, a ``torch.compile``d model.
+
+Each program runs eagerly and under ``coexec.GradientTape()`` from the same seed; the losses,
+what it returns, the parameters, their gradients and the optimizer's state must be equal bit
+for bit."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import coexec
+from executor import native
+from executor.capture import is_placeholder
+
+pytestmark = pytest.mark.skipif(
+    not native.enabled(), reason="the native backend needs the native module"
+)
+
+_keys = itertools.count()
+
+
+def _state_of(state: dict) -> list[torch.Tensor]:
+    """Parameters, buffers, gradients and optimizer state of ``state``'s modules and
+    optimizers, in a fixed order (copies; a gradient that is None is left out, counted)."""
+    out: list[torch.Tensor] = []
+    for obj in state.values():
+        if isinstance(obj, nn.Module):
+            out.extend(t.detach().clone() for t in obj.state_dict().values())
+            for p in obj.parameters():
+                out.append(torch.tensor(p.grad is None) if p.grad is None else p.grad.detach().clone())
+        elif isinstance(obj, torch.optim.Optimizer):
+            for st in obj.state.values():
+                out.extend(v.detach().clone() for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _run(
+    make: Callable[[], dict], step: Callable[[dict, int], Any], steps: int, captured: bool
+) -> tuple[list[Any], list[torch.Tensor], coexec.GradientTape | None]:
+    """``step(state, i)`` ``steps`` times on ``make()``'s state, eagerly or under a default
+    tape; (what each step returned, the final state, the tape)."""
+    native.wait()  # (else the steps run eagerly while the module builds)
+    state = make()
+    tape = coexec.GradientTape(key=("crashes", next(_keys))) if captured else None
+    returned = []
+    for i in range(steps):
+        if tape is None:
+            returned.append(step(state, i))
+        else:
+            with tape:
+                returned.append(step(state, i))
+    return returned, _state_of(state), tape
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _assert_as_eager(make: Callable[[], dict], step: Callable[[dict, int], Any], steps: int) -> coexec.GradientTape:
+    """Bit-equal results and final state, every step captured; returns the tape."""
+    want, want_state = _run(make, step, steps, False)[:2]
+    got, got_state, tape = _run(make, step, steps, True)
+    assert tape is not None and tape.backend == "native"
+    assert _same(got, want), f"results differ:\ncaptured {got}\neager    {want}"
+    assert len(got_state) == len(want_state)
+    for i, (a, b) in enumerate(zip(got_state, want_state)):
+        assert not is_placeholder(a)
+        assert _same(a, b), f"state tensor {i} differs"
+    assert tape.stats.coexec_steps == steps
+    return tape
+
+
+def _mlp_state(seed: int = 0, adam: bool = True) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    return {"model": model, "opt": opt, "x": x, "y": y}
+
+
+# -- 1. checkpointing inside the step (fast-neural-style) ------------------------------------
+
+
+def _checkpointing_step(state: dict, i: int) -> tuple:
+    """fast-neural-style's loop: ``new_tensor`` on the model's output (normalize_batch), and a
+    checkpoint every other step after the optimizer's: ``eval().cpu()``, ``torch.save``,
+    ``to('cpu').train()`` (Module._apply sets ``p.grad.data = p.grad``)."""
+    model, opt = state["model"], state["opt"]
+    x = state["x"] + i
+    y = model(x)
+    mean = y.new_tensor([0.25, 0.5, 0.75]).view(1, -1)
+    legacy = y.new([1.0, 2.0, 3.0])
+    loss = ((y - mean) ** 2).mean() + (y * legacy).mean() * 1e-3
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+    saved = b""
+    if i % 2 == 1:
+        model.eval().cpu()
+        f = io.BytesIO()
+        torch.save(model.state_dict(), f)
+        saved = f.getvalue()
+        model.to("cpu").train()
+    return loss.detach(), mean, len(saved) > 0, [p.grad.clone() for p in model.parameters()]
+
+
+def test_checkpointing_inside_the_step_is_eager() -> None:
+    _assert_as_eager(_mlp_state, _checkpointing_step, 5)
+
+
+def test_a_gradient_set_to_itself_keeps_its_value() -> None:
+    """``p.grad.data = p.grad`` on a gradient of the step: after the step it is a plain tensor
+    with eager's value (its placeholder had let go of its value, and stayed without one)."""
+
+    def step(state: dict, i: int) -> torch.Tensor:
+        model = state["model"]
+        model.zero_grad()
+        loss = model(state["x"]).sum()
+        loss.backward()
+        for p in model.parameters():
+            p.grad.data = p.grad
+        return loss.detach()
+
+    _assert_as_eager(_mlp_state, step, 3)
