@@ -96,25 +96,38 @@ void install() {
   std::call_once(once, [] {
     static auto* fallback = new torch::Library(torch::Library::IMPL, "_", kKey, __FILE__, __LINE__);
     fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&kernel>());
-    // (sparse tensors: the key makes their ops come to SparsePrivateUse3, which has no kernels;
-    // they run at once on the values, as eager)
+    // (sparse tensors: the key makes their ops come to SparsePrivateUse3 (SparseCsrPrivateUse3 for
+    // CSR and the like), which has no kernels; they run at once on the values, as eager)
     static auto* sparse = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::SparsePrivateUse3,
                                              __FILE__, __LINE__);
     sparse->fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
+    static auto* csr = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::SparseCsrPrivateUse3,
+                                          __FILE__, __LINE__);
+    csr->fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
     static auto* ops = new torch::Library(torch::Library::IMPL, "aten", kKey, __FILE__, __LINE__);
+    // (a CompositeExplicitAutograd kernel serves the sparse keys too, ahead of their fallback:
+    // sparse_dim's default kernel then met a sparse tensor and raised, where SparseCPU has a
+    // kernel of its own; so the sparse keys get the kernel per op as well, and their ops reach
+    // the real backend's kernels)
+    static auto* sparse_ops = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::SparsePrivateUse3,
+                                                 __FILE__, __LINE__);
+    static auto* csr_ops = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::SparseCsrPrivateUse3,
+                                              __FILE__, __LINE__);
     auto& dispatcher = c10::Dispatcher::singleton();
     for (const auto& name : dispatcher.getAllOpNames()) {
       if (name.getNamespace() != std::optional<std::string_view>("aten")) continue;
       auto op = dispatcher.findOp(name);
-      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
-          op->hasKernelForDispatchKey(kKey))
-        continue;
+      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
       if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
           !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
         continue;
       std::string full = name.name.substr(6);  // without "aten::"
       if (!name.overload_name.empty()) full += "." + name.overload_name;
-      ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      if (!op->hasKernelForDispatchKey(kKey)) ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      if (!op->hasKernelForDispatchKey(c10::DispatchKey::SparsePrivateUse3))
+        sparse_ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
+      if (!op->hasKernelForDispatchKey(c10::DispatchKey::SparseCsrPrivateUse3))
+        csr_ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
     }
   });
 }

@@ -136,3 +136,35 @@ def test_a_gradient_set_to_itself_keeps_its_value() -> None:
         return loss.detach()
 
     _assert_as_eager(_mlp_state, step, 3)
+
+
+# -- 2. torch.sparse.mm ---------------------------------------------------------------------
+
+
+def _sparse_state() -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    i = torch.tensor([[0, 1, 2, 3, 3], [1, 0, 2, 4, 0]])
+    adjacency = torch.sparse_coo_tensor(i, torch.rand(5), (4, 5)).coalesce()
+    return {"model": model, "opt": opt, "i": i, "adjacency": adjacency, "x": torch.randn(5, 5)}
+
+
+def _sparse_step(state: dict, i: int) -> tuple:
+    """A graph convolution: ``torch.sparse.mm`` of a sparse COO matrix made outside the step and
+    one made inside it, with dense operands that require grad; then backward."""
+    model, opt = state["model"], state["opt"]
+    inside = torch.sparse_coo_tensor(state["i"], torch.arange(5.0) + i, (4, 5))
+    h = model(state["x"])
+    out = torch.sparse.mm(state["adjacency"], h) + torch.sparse.mm(inside, torch.tanh(h))
+    csr = state["adjacency"].to_sparse_csr()
+    out = out + torch.sparse.mm(csr, h)
+    loss = out.pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach(), out.detach()
+
+
+def test_sparse_mm_in_the_step_is_eager() -> None:
+    _assert_as_eager(_sparse_state, _sparse_step, 4)
