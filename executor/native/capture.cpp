@@ -1272,8 +1272,10 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       out = args[w];  // (its slot already has the value it will have)
     } else if (m.is_list) {
       std::vector<at::Tensor> l;
+      const int base = view_of_inference(schema, r, args);
       for (const TensorMeta& t : m.tensors) {
         l.push_back(make_ph(t));
+        if (base >= 0 && l.back().defined()) impl_of(l.back())->set_inference(base == 1);
         number(l.back());
         entry.out_slots.push_back(slot_of(l.back()));
         if (shaped) entry.expect.push_back(t);
@@ -1281,6 +1283,8 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       out = std::move(l);
     } else {
       at::Tensor t = make_ph(m.tensors[0]);
+      if (const int base = view_of_inference(schema, r, args); base >= 0 && t.defined())
+        impl_of(t)->set_inference(base == 1);
       number(t);
       entry.out_slots.push_back(slot_of(t));
       if (shaped) entry.expect.push_back(m.tensors[0]);

@@ -8,6 +8,7 @@ for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import threading
@@ -64,7 +65,11 @@ def _run(
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return (
+            isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            and a.requires_grad == b.requires_grad and a.is_inference() == b.is_inference()
+            and not is_placeholder(a) and torch.equal(a, b)
+        )  # fmt: skip
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
@@ -168,3 +173,52 @@ def _sparse_step(state: dict, i: int) -> tuple:
 
 def test_sparse_mm_in_the_step_is_eager() -> None:
     _assert_as_eager(_sparse_state, _sparse_step, 4)
+
+
+# -- 3. torch.inference_mode() inside the step ----------------------------------------------
+
+
+def _evaluating_step(state: dict, i: int) -> tuple:
+    """A training step, and every other step an evaluation under ``torch.inference_mode()``
+    (accuracy read with ``.item()``; views of parameters, ``split``, new tensors)."""
+    model, opt, x, y = state["model"], state["opt"], state["x"], state["y"]
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if i % 2 == 0:
+        return loss.detach(), None
+    with torch.inference_mode():
+        logits = model(x)
+        accuracy = (logits.argmax(1) == y).float().mean().item()
+        weight_t = model[0].weight.t()  # (a view of a normal tensor: normal, as eager's)
+        halves = logits.split(8)  # (views of an inference tensor: inference tensors)
+        kinds = (logits.is_inference(), weight_t.is_inference(), [h.is_inference() for h in halves])
+        scaled = logits * 2
+    return loss.detach(), accuracy, kinds, scaled.is_inference(), scaled, weight_t.clone()
+
+
+def test_inference_mode_inside_the_step_is_eager() -> None:
+    _assert_as_eager(lambda: _mlp_state(adam=False), _evaluating_step, 4)
+
+
+def _inference_then_backward(captured: bool) -> BaseException:
+    """An inference tensor used in autograd after the ``with``: eager raises."""
+    native.wait()
+    state = _mlp_state()
+    tape = coexec.GradientTape(key=("crashes", next(_keys)))
+    for _ in range(2):
+        try:
+            with tape if captured else contextlib.nullcontext():
+                with torch.inference_mode():
+                    scale = state["x"].mean(0) + 1
+                loss = (state["model"][0](state["x"]) * scale[0]).sum()
+                loss.backward()
+        except RuntimeError as e:
+            error = e
+    return error
+
+
+def test_an_inference_tensor_in_autograd_raises_as_eager() -> None:
+    want, got = _inference_then_backward(False), _inference_then_backward(True)
+    assert type(got) is type(want) and str(got) == str(want)
