@@ -194,6 +194,14 @@ class _CapturedStep:
         self._c.begin()
         _waiting().put(self._c)
 
+    def try_enter(self) -> bool:
+        """``__enter__``, or False (nothing done) where a step is being captured already, by this
+        capture or another, in any thread (one at a time in a process)."""
+        if not self._c.try_begin():
+            return False
+        _waiting().put(self._c)
+        return True
+
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> bool:

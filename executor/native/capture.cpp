@@ -181,9 +181,14 @@ class Capture {
 
   // The step starts: every op of this thread comes to the kernel until end().
   void begin() {
+    TORCH_CHECK(try_begin(), "coexec: a step is already being captured (one at a time, in one thread)");
+  }
+
+  // begin(), or false where a step (this capture's or another's, in any thread) is being
+  // captured now: nothing changes then (coexec/tape.py runs that step eagerly).
+  bool try_begin() {
     Capture* none = nullptr;
-    TORCH_CHECK(g_active.compare_exchange_strong(none, this),
-                "coexec: a step is already being captured (one at a time, in one thread)");
+    if (!g_active.compare_exchange_strong(none, this)) return false;
     ++steps_;
     failure_frames_.clear();
     path_.clear();
@@ -220,6 +225,7 @@ class Capture {
     c10::impl::_force_tls_local_dispatch_key_set(tls);
     if (worker_) t_trash = &trash_;
     t_banish = worker_ && cap_ > 0 ? &banished_ : nullptr;
+    return true;
   }
 
   // The step ends: its ops are computed, placeholders still alive become their values, and a
@@ -1354,6 +1360,7 @@ void bind_capture(py::module_& m) {
       .def(py::init<const std::string&, int, std::vector<std::string>>(), py::arg("mode"), py::arg("threads"),
            py::arg("internal"))
       .def("begin", &Capture::begin)
+      .def("try_begin", &Capture::try_begin)
       .def("end", &Capture::end)
       .def("pause", &Capture::pause)
       .def("resume", &Capture::resume)

@@ -222,3 +222,91 @@ def _inference_then_backward(captured: bool) -> BaseException:
 def test_an_inference_tensor_in_autograd_raises_as_eager() -> None:
     want, got = _inference_then_backward(False), _inference_then_backward(True)
     assert type(got) is type(want) and str(got) == str(want)
+
+
+# -- 4. two threads training at once ----------------------------------------------------------
+
+
+def _thread_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+    return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-2), "x": torch.randn(32, 4)}
+
+
+def _thread_step(state: dict, i: int) -> torch.Tensor:
+    model, opt = state["model"], state["opt"]
+    loss = model(state["x"] * (1 + i)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _train_in_threads(steps: int, hold_first: bool) -> tuple[list, list, list[coexec.GradientTape]]:
+    """Two threads, each training its own model (made here, in turn) under its own default tape
+    at the same time; with ``hold_first``, the first thread's first step waits inside the step
+    until the second thread has run all its steps. (losses, final states, tapes) per thread."""
+    native.wait()
+    states = [_thread_state(1), _thread_state(2)]
+    losses: list[list] = [[], []]
+    tapes: list = [None, None]
+    errors: list[BaseException] = []
+    first_in, second_done = threading.Event(), threading.Event()
+    go = threading.Barrier(2)
+    key = ("crashes", next(_keys))  # (both threads' tapes: one program, as at one `with` line)
+
+    def train(k: int) -> None:
+        try:
+            tape = tapes[k] = coexec.GradientTape(key=key)
+            go.wait()
+            if hold_first and k == 1:
+                assert first_in.wait(60)
+            for i in range(steps):
+                with tape:
+                    losses[k].append(_thread_step(states[k], i))
+                    if hold_first and k == 0 and i == 0:
+                        first_in.set()
+                        assert second_done.wait(60)
+            if k == 1:
+                second_done.set()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            first_in.set()
+            second_done.set()
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return losses, [_state_of(s) for s in states], tapes
+
+
+def _eager_threads(steps: int) -> tuple[list, list]:
+    states = [_thread_state(1), _thread_state(2)]
+    losses = [[_thread_step(s, i) for i in range(steps)] for s in states]
+    return losses, [_state_of(s) for s in states]
+
+
+def test_a_step_beside_another_threads_captured_step_runs_as_eager() -> None:
+    """The first thread's step is captured and held open while the second thread trains: the
+    second's steps run eagerly (no error), each thread's training is eager's, and the stats
+    count the steps that ran beside another thread's."""
+    steps = 4
+    want_losses, want_states = _eager_threads(steps)
+    losses, states, tapes = _train_in_threads(steps, hold_first=True)
+    assert _same(losses, want_losses)
+    assert _same(states, want_states)
+    s = tapes[0].stats
+    assert (s.steps, s.coexec_steps, s.beside_steps) == (2 * steps, steps, steps)
+
+
+def test_two_threads_training_at_once_are_eager() -> None:
+    steps = 12
+    want_losses, want_states = _eager_threads(steps)
+    losses, states, tapes = _train_in_threads(steps, hold_first=False)
+    assert _same(losses, want_losses)
+    assert _same(states, want_states)
+    s = tapes[0].stats
+    assert s.steps == 2 * steps and s.coexec_steps + s.beside_steps == 2 * steps
