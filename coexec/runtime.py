@@ -27,6 +27,7 @@ _last: Executor | NativeExecutor | None = None  # the one the latest step ran on
 _local = threading.local()  # .skeleton: the skeleton running in this thread, if any
 open_sessions: list[tuple["Session", list, list]] = []  # sessions a lazy step left running
 _capture: "Capture | None" = None  # GradientTape(backend="native")'s, made on first use
+_capture_owner: int | None = None  # the thread whose native step holds it (claim_capture)
 
 
 def executor(budget: bool = False) -> Executor | NativeExecutor:
@@ -63,6 +64,38 @@ def capture() -> "Capture | None":
             _stop_at_exit_once()
             _capture = Capture()
     return _capture
+
+
+def claim_capture() -> "Capture | None":
+    """:func:`capture`, held by this thread's native-backend step until :func:`release_capture`;
+    None while the native module is not built, or while another thread's step holds it: one
+    step is captured at a time in a process (the capture's kernel, its placeholders and the
+    wrapped Tensor methods serve one step), so a step beside it runs eagerly, as eager would,
+    and counts so (``TapeStats.beside_steps``)."""
+    global _capture_owner
+    me = threading.get_ident()
+    with _lock:
+        if _capture_owner is not None and _capture_owner != me:
+            return None
+        _capture_owner = me  # (before capture(): no other thread's step starts in between)
+    c = capture()
+    if c is None:
+        release_capture()
+    return c
+
+
+def release_capture() -> None:
+    """This thread's step is done with the capture (:func:`claim_capture`)."""
+    global _capture_owner
+    with _lock:
+        if _capture_owner == threading.get_ident():
+            _capture_owner = None
+
+
+def capture_held_elsewhere() -> bool:
+    """Does another thread's native-backend step hold the capture now?"""
+    owner = _capture_owner
+    return owner is not None and owner != threading.get_ident()
 
 
 def executors() -> list[Executor | NativeExecutor]:

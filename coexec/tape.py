@@ -83,6 +83,9 @@ class TapeStats:
     # backend: by the native engine; native backend: by the capture's worker, which is every op
     # but those run at once on the step's thread: reads, misses, ops inside a catching try)
     native_ops: int = 0
+    # native backend: steps that ran eagerly, exactly as eager, because another thread's step was
+    # being captured as they began (one step is captured at a time in a process)
+    beside_steps: int = 0
     # of the latest co-executed step: its backward() calls issued as known gradient blocks,
     # without the autograd engine (coexec/gradients.py; native: native/capture_blocks.h)
     gradient_blocks: int = 0
@@ -380,7 +383,8 @@ class GradientTape:
     ``tape.backend`` says which runs; ``"native"``: every step's ATen ops answered by a C++
     kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, no
     TraceGraph, arena, offloading or ``sync="none"``; a ``memory_budget`` is met by
-    recomputation; steps run eagerly until the native module is built; docs/coexec.md,
+    recomputation; steps run eagerly until the native module is built, and while another
+    thread's step is being captured (one at a time in a process: ``stats.beside_steps``); docs/coexec.md,
     *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
     with plans: the GPU path, arenas, offloading), ``timeout`` (seconds any wait on the
     executor may take before it becomes an error), ``debug`` (print phase changes, fallbacks
@@ -802,13 +806,17 @@ class _NativeStep:
     def __init__(self, program: Program, debug: bool = False, budget: int | None = None) -> None:
         self.program = program
         self.debug = debug
-        self.capture = runtime.capture()
+        # (one step is captured at a time in a process: one beside another thread's runs eagerly)
+        self.capture = runtime.claim_capture()
+        self.beside = self.capture is None and runtime.capture_held_elsewhere()
         self.phase = "eager" if self.capture is None else "coexec"
         self.t0 = time.perf_counter()
         self.c0 = None
         self.scope = None
         self.budget: NativeBudget | None = None
-        if self.capture is not None:
+        if self.capture is None:
+            return
+        try:
             if budget is not None:  # (raises BudgetTooSmall before the step runs)
                 if program.native_budget is None or program.native_budget.budget != budget:
                     program.native_budget = NativeBudget(budget, program.where)
@@ -820,7 +828,13 @@ class _NativeStep:
                 self.capture.follow(None)
             self.c0 = self.capture.counters
             self.scope = self.capture.step()
-            self.scope.__enter__()
+            if not self.scope.try_enter():  # (a Capture of executor.capture's own in another thread)
+                self.capture, self.scope, self.budget = None, None, None
+                self.phase, self.beside = "eager", True
+                runtime.release_capture()
+        except BaseException:
+            runtime.release_capture()
+            raise
 
     def end(self, error: BaseException | None) -> None:
         """The step's end: its values computed, a failure on the worker raised (unless the step
@@ -832,9 +846,13 @@ class _NativeStep:
                 else:
                     self.scope.__exit__(type(error), error, error.__traceback__)
         finally:
-            self._count()
-            if self.budget is not None and error is None:
-                self.budget.after(self.capture, native.wait(), self.program.stats)
+            try:
+                self._count()
+                if self.budget is not None and error is None:
+                    self.budget.after(self.capture, native.wait(), self.program.stats)
+            finally:
+                if self.capture is not None:
+                    runtime.release_capture()
 
     def _count(self) -> None:
         s = self.program.stats
@@ -844,6 +862,14 @@ class _NativeStep:
         # (the next step is captured once the native module is loaded; until then it runs eagerly)
         s.phase = "coexec" if native.ready() is not None else "eager"
         s.seconds[self.phase] += seconds
+        if self.beside:
+            s.beside_steps += 1
+            if self.debug:
+                _log(
+                    self.program,
+                    f"step {s.steps - 1} ran eagerly: another thread's step was being captured "
+                    "(one step is captured at a time in a process)",
+                )
         if self.capture is None:
             return
         c0, c = self.c0, self.capture.counters

@@ -64,6 +64,9 @@ _DATA_ACCESS = (
     "__dlpack__", "__repr__", "__format__",
 )  # fmt: skip
 _RANDOM = ("manual_seed", "seed", "get_rng_state", "set_rng_state")
+# Tensor methods whose bindings take the new tensor's device from ``self``'s backend dispatch key,
+# which for a placeholder (PrivateUse3) names no device: they are called on a real stand-in
+_STAND_IN = ("new_tensor", "new")
 _REPLAYED, _ENGINE, _RECORD = 0, 1, 2  # (Capture::backward_begin)
 
 
@@ -214,6 +217,14 @@ class _CapturedStep:
         self._c.begin()
         _waiting().put(self._c)
 
+    def try_enter(self) -> bool:
+        """``__enter__``, or False (nothing done) where a step is being captured already, by this
+        capture or another, in any thread (one at a time in a process)."""
+        if not self._c.try_begin():
+            return False
+        _waiting().put(self._c)
+        return True
+
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> bool:
@@ -280,9 +291,13 @@ class _Waiting:
         self.capture = None  # the native capture whose step runs
         self.thread = 0
         self.swaps: list[tuple[object, str, object, object]] = []  # owner, name, original, wrapper
+        self.stand_ins: dict[torch.dtype, torch.Tensor] = {}  # (stand_in_of)
         for name in _DATA_ACCESS:
             original = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, _StepMethod(original, self._wrap(original, True), self))
+        for name in _STAND_IN:
+            original = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, _StepMethod(original, self._stand_in(original), self))
         for owner in (torch, torch.random):
             for name in _RANDOM:
                 original = getattr(owner, name)
@@ -311,6 +326,35 @@ class _Waiting:
                 c.resume()
 
         return waiting
+
+    def _stand_in(self, original: Callable) -> Callable:
+        """``Tensor.new_tensor`` / ``Tensor.new`` in a captured step: on a placeholder, called on
+        an empty real tensor of its dtype (a placeholder's dispatch key names no device; the
+        result depends only on the dtype and the device, the CPU). The new tensor's own ops
+        still come to the capture, as ``torch.tensor`` does."""
+
+        @functools.wraps(original)
+        def stand_in(self_: torch.Tensor, *args, **kwargs):
+            if (
+                self.stepping_here()
+                and is_placeholder(self_)
+                and not torch._C._has_torch_function_unary(self_)
+            ):
+                self_ = self.stand_in_of(self_.dtype)
+            return original(self_, *args, **kwargs)
+
+        return stand_in
+
+    def stand_in_of(self, dtype: torch.dtype) -> torch.Tensor:
+        """An empty real CPU tensor of ``dtype`` (made once per dtype, with capture paused)."""
+        t = self.stand_ins.get(dtype)
+        if t is None:
+            self.capture.pause()
+            try:
+                t = self.stand_ins[dtype] = torch.empty(0, dtype=dtype)
+            finally:
+                self.capture.resume()
+        return t
 
     def _backward(self, original: Callable) -> Callable:
         """``torch.autograd.backward`` (which ``Tensor.backward`` calls) in a captured step: a plain

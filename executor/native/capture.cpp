@@ -97,25 +97,38 @@ void install() {
   std::call_once(once, [] {
     static auto* fallback = new torch::Library(torch::Library::IMPL, "_", kKey, __FILE__, __LINE__);
     fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&kernel>());
-    // (sparse tensors: the key makes their ops come to SparsePrivateUse3, which has no kernels;
-    // they run at once on the values, as eager)
+    // (sparse tensors: the key makes their ops come to SparsePrivateUse3 (SparseCsrPrivateUse3 for
+    // CSR and the like), which has no kernels; they run at once on the values, as eager)
     static auto* sparse = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::SparsePrivateUse3,
                                              __FILE__, __LINE__);
     sparse->fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
+    static auto* csr = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::SparseCsrPrivateUse3,
+                                          __FILE__, __LINE__);
+    csr->fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
     static auto* ops = new torch::Library(torch::Library::IMPL, "aten", kKey, __FILE__, __LINE__);
+    // (a CompositeExplicitAutograd kernel serves the sparse keys too, ahead of their fallback:
+    // sparse_dim's default kernel then met a sparse tensor and raised, where SparseCPU has a
+    // kernel of its own; so the sparse keys get the kernel per op as well, and their ops reach
+    // the real backend's kernels)
+    static auto* sparse_ops = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::SparsePrivateUse3,
+                                                 __FILE__, __LINE__);
+    static auto* csr_ops = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::SparseCsrPrivateUse3,
+                                              __FILE__, __LINE__);
     auto& dispatcher = c10::Dispatcher::singleton();
     for (const auto& name : dispatcher.getAllOpNames()) {
       if (name.getNamespace() != std::optional<std::string_view>("aten")) continue;
       auto op = dispatcher.findOp(name);
-      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
-          op->hasKernelForDispatchKey(kKey))
-        continue;
+      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
       if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
           !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
         continue;
       std::string full = name.name.substr(6);  // without "aten::"
       if (!name.overload_name.empty()) full += "." + name.overload_name;
-      ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      if (!op->hasKernelForDispatchKey(kKey)) ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+      if (!op->hasKernelForDispatchKey(c10::DispatchKey::SparsePrivateUse3))
+        sparse_ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
+      if (!op->hasKernelForDispatchKey(c10::DispatchKey::SparseCsrPrivateUse3))
+        csr_ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
     }
   });
 }
@@ -178,9 +191,14 @@ class Capture {
 
   // The step starts: every op of this thread comes to the kernel until end().
   void begin() {
+    TORCH_CHECK(try_begin(), "coexec: a step is already being captured (one at a time, in one thread)");
+  }
+
+  // begin(), or false where a step (this capture's or another's, in any thread) is being
+  // captured now: nothing changes then (coexec/tape.py runs that step eagerly).
+  bool try_begin() {
     Capture* none = nullptr;
-    TORCH_CHECK(g_active.compare_exchange_strong(none, this),
-                "coexec: a step is already being captured (one at a time, in one thread)");
+    if (!g_active.compare_exchange_strong(none, this)) return false;
     ++steps_;
     failure_frames_.clear();
     path_.clear();
@@ -218,6 +236,7 @@ class Capture {
     c10::impl::_force_tls_local_dispatch_key_set(tls);
     if (worker_) t_trash = &trash_;
     t_banish = worker_ && cap_ > 0 ? &banished_ : nullptr;
+    return true;
   }
 
   // The step ends: its ops are computed, placeholders still alive become their values, and a
@@ -1345,8 +1364,10 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       out = args[w];  // (its slot already has the value it will have)
     } else if (m.is_list) {
       std::vector<at::Tensor> l;
+      const int base = view_of_inference(schema, r, args);
       for (const TensorMeta& t : m.tensors) {
         l.push_back(make_ph(t));
+        if (base >= 0 && l.back().defined()) impl_of(l.back())->set_inference(base == 1);
         number(l.back());
         entry.out_slots.push_back(slot_of(l.back()));
         if (shaped) entry.expect.push_back(t);
@@ -1354,6 +1375,8 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       out = std::move(l);
     } else {
       at::Tensor t = make_ph(m.tensors[0]);
+      if (const int base = view_of_inference(schema, r, args); base >= 0 && t.defined())
+        impl_of(t)->set_inference(base == 1);
       number(t);
       entry.out_slots.push_back(slot_of(t));
       if (shaped) entry.expect.push_back(m.tensors[0]);
@@ -1425,6 +1448,7 @@ void bind_capture(py::module_& m) {
            py::arg("mode"), py::arg("threads"), py::arg("internal"), py::arg("libraries"), py::arg("catching"),
            py::arg("with_place"))
       .def("begin", &Capture::begin)
+      .def("try_begin", &Capture::try_begin)
       .def("end", &Capture::end)
       .def("pause", &Capture::pause)
       .def("resume", &Capture::resume)

@@ -97,6 +97,9 @@ struct PlaceholderImpl : c10::TensorImpl {
   }
 
   void shallow_copy_from(const c10::intrusive_ptr<TensorImpl>& impl) override {
+    // (``t.data = t``: Module._apply does ``p.grad.data = p.grad.to(device)``, which is the same
+    // tensor; letting go of the slot first lost it, and the tensor never got its value)
+    if (impl.get() == this) return;
     TensorImpl::shallow_copy_from(impl);
     if (auto* other = dynamic_cast<PlaceholderImpl*>(impl.get())) {
       let_go_of_slot();
@@ -144,6 +147,21 @@ struct PlaceholderImpl : c10::TensorImpl {
     set_storage_offset(offset);
   }
 
+  // Be an inference tensor (no autograd keys, no version counter) or a normal one. A new
+  // placeholder is what the mode makes it; a view must be what its base is, as eager's view
+  // TensorImpl takes its base's keys (a view of a parameter under torch.inference_mode() is a
+  // normal tensor, whose view metadata autograd then sets: an inference one raised there).
+  void set_inference(bool inference) {
+    if (inference == is_inference()) return;
+    if (inference) {
+      key_set_ = key_set_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
+      set_version_counter(c10::VariableVersion(c10::VariableVersion::DISABLED));
+    } else {
+      key_set_ = key_set_ | c10::getAutogradRelatedKeySetFromBackend(key_set_.highestBackendKey());
+      set_version_counter(c10::VariableVersion(0));
+    }
+  }
+
   // Hold a storage of `nbytes` whose data cannot be read or written (a shape placeholder,
   // capture_shapes.h): a kernel run on it fails where it would touch data, and finds a storage
   // where it asks for one (TensorIterator's overlap checks).
@@ -166,7 +184,10 @@ struct PlaceholderImpl : c10::TensorImpl {
     storage_access_should_throw_ = false;
     device_opt_ = r.device();
     set_sizes_and_strides(r.sizes(), r.strides());
+    // (the worker's value is a normal tensor: an inference placeholder stays one, as eager's)
+    const bool inference = is_inference();
     key_set_ = r.key_set();
+    if (inference) key_set_ = key_set_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView;
     return true;
   }
 
@@ -311,6 +332,26 @@ void each_tensor(const c10::IValue& iv, F f) {
     for (const c10::IValue& x : iv.toListRef())
       if (x.isTensor()) f(x.toTensor());
   }
+}
+
+// Is return ``r`` a view (its alias set without a write: ``t``, ``view``), and of which
+// inference tensors or normal ones? -1: not a view (or of no tensor argument), 1: of an
+// inference tensor, 0: of a normal one.
+int view_of_inference(const c10::FunctionSchema& schema, size_t r, c10::ArrayRef<c10::IValue> args) {
+  const auto* alias = schema.returns()[r].alias_info();
+  if (alias == nullptr || alias->isWrite()) return -1;
+  auto sets = alias->beforeSets();  // (a list of views, ``split``'s Tensor(a)[]: its elements')
+  for (const auto& c : alias->containedTypes()) sets.insert(c.beforeSets().begin(), c.beforeSets().end());
+  for (size_t a = 0; a < schema.arguments().size() && a < args.size(); ++a) {
+    const auto* ai = schema.arguments()[a].alias_info();
+    if (ai == nullptr || ai->isWrite() || !args[a].isTensor()) continue;
+    bool shared = false;
+    for (const auto& set : ai->beforeSets()) shared = shared || sets.count(set) > 0;
+    if (!shared) continue;
+    const at::Tensor& t = args[a].toTensor();
+    if (t.defined()) return t.is_inference() ? 1 : 0;
+  }
+  return -1;
 }
 
 // the argument that return ``r`` writes in place (``add_``, ``out=``), or -1
