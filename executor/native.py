@@ -149,6 +149,12 @@ def _compile() -> Path:
         pass
     from executor import structured_meta
 
+    print(
+        f"coexec: building the native module in {where} (once per source change and torch "
+        "version; about a minute on 2 cores; steps run eagerly until it is ready)",
+        file=sys.stderr,
+        flush=True,
+    )
     where.mkdir(parents=True, exist_ok=True)
     structured_meta.write(where / structured_meta.HEADER)  # (included by capture_shapes.h)
     script = (
