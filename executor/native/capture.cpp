@@ -38,6 +38,7 @@
 #include <ATen/SavedTensorHooks.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <c10/util/intrusive_ptr.h>
@@ -106,6 +107,17 @@ void install() {
                                           __FILE__, __LINE__);
     csr->fallback(torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
     static auto* ops = new torch::Library(torch::Library::IMPL, "aten", kKey, __FILE__, __LINE__);
+    // (ops outside aten without an autograd kernel of their own, c10d's collectives among them,
+    // reach AutogradPrivateUse3, for which torch registers no backend fallback as it does for
+    // AutogradCPU: "Could not run 'c10d::allreduce_' ... from the 'AutogradPrivateUse3' backend".
+    // The one eager's AutogradCPU uses)
+    static auto* autograd = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::AutogradPrivateUse3,
+                                               __FILE__, __LINE__);
+    autograd->fallback(torch::autograd::basicAutogradNotImplementedFallback());
+    // (the functional collectives' CompositeExplicitAutograd kernels would launch a collective on
+    // placeholders and key its Work by their storage: they come to the kernel too, and run at
+    // once on the values, must_run_now)
+    static auto* functional = new torch::Library(torch::Library::IMPL, "_c10d_functional", kKey, __FILE__, __LINE__);
     // (a CompositeExplicitAutograd kernel serves the sparse keys too, ahead of their fallback:
     // sparse_dim's default kernel then met a sparse tensor and raised, where SparseCPU has a
     // kernel of its own; so the sparse keys get the kernel per op as well, and their ops reach
@@ -116,14 +128,20 @@ void install() {
                                               __FILE__, __LINE__);
     auto& dispatcher = c10::Dispatcher::singleton();
     for (const auto& name : dispatcher.getAllOpNames()) {
-      if (name.getNamespace() != std::optional<std::string_view>("aten")) continue;
+      const auto ns = name.getNamespace();
+      const bool aten = ns == std::optional<std::string_view>("aten");
+      if (!aten && ns != std::optional<std::string_view>("_c10d_functional")) continue;
       auto op = dispatcher.findOp(name);
       if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
       if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
           !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))
         continue;
-      std::string full = name.name.substr(6);  // without "aten::"
+      std::string full = name.name.substr(ns->size() + 2);  // without its namespace ("aten::")
       if (!name.overload_name.empty()) full += "." + name.overload_name;
+      if (!aten) {  // (_c10d_functional's)
+        if (!op->hasKernelForDispatchKey(kKey)) functional->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
+        continue;
+      }
       if (!op->hasKernelForDispatchKey(kKey)) ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&kernel>());
       if (!op->hasKernelForDispatchKey(c10::DispatchKey::SparsePrivateUse3))
         sparse_ops->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&sparse_kernel>());
@@ -796,7 +814,7 @@ class Capture {
     e.consts = consts_of(schema, args, e.tensors);
     e.outputs = out_metas(stack, schema.returns().size());
     for (size_t r = 0; r < schema.returns().size(); ++r) e.written.push_back(written_arg(schema, r));
-    e.run_now = must_run_now(op);
+    e.run_now = must_run_now(op) || python_kernel(op);
     e.id = next_entry_id_++;
     auto& variants = cache_[key];
     for (auto it = variants.begin(); it != variants.end(); ++it)

@@ -108,6 +108,8 @@ bool tensor_inputs(const c10::FunctionSchema& schema, Args args) {
 // Argument ``i`` as the cache keeps it (``tensors``: the op has tensor inputs; a tensor: None).
 c10::IValue const_of(const c10::FunctionSchema& schema, size_t i, const c10::IValue& iv, bool tensors) {
   if (has_tensor(iv)) return c10::IValue();
+  // (a collective's ProcessGroup, ReduceOp: by its class, not held: the cache outlives them)
+  if (iv.isObject()) return c10::IValue(iv.toObjectRef().name());
   if (!tensors || !(iv.isDouble() || iv.isInt() || iv.isComplexDouble() || iv.isBool())) return iv;
   auto kind = schema.arguments()[i].type()->kind();
   if (kind == c10::TypeKind::OptionalType)

@@ -45,6 +45,14 @@ struct Slot {
   const void* dropped_from = nullptr;  // the storage it had then (a described step's log: StepLog::remade)
   int64_t made_ns = 0;        // its op's time (the guard's cost of making it again)
   std::atomic<int32_t> recipe_holds{0};  // guard's recipes holding it (Worker::bury)
+  // the storage its placeholders hold until they become the value: one per value, without data.
+  // C++ outside the dispatcher compares storages without asking for data: DDP's reducer asks
+  // ``grad.is_alias_of(bucket_view)`` in its autograd hook, and a storage-less tensor's null
+  // StorageImpl made c10::isSharedStorageAlias dereference null (a SIGSEGV); one storage for
+  // all of them made a placeholder .grad alias the placeholder views of buckets the reducer
+  // rebuilt in a step (its assert). Placeholders alias where they share a value (a view of one
+  // does not: it is another value).
+  c10::Storage identity;
 };
 
 // The slot's value, made again first if a memory plan dropped it (capture_worker.h).
@@ -74,6 +82,14 @@ struct PlaceholderImpl;
 void made(PlaceholderImpl* impl);
 void gone(PlaceholderImpl* impl);
 
+// A storage of no bytes and no data (a null data pointer; writing through it throws).
+c10::Storage no_data_storage() {
+  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), 0,
+                                                    at::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr, false);
+  impl->set_throw_on_mutable_data_ptr();
+  return c10::Storage(std::move(impl));
+}
+
 struct PlaceholderImpl : c10::TensorImpl {
   std::shared_ptr<Slot> slot;
   // (the step's live placeholders are a list through them: Live below)
@@ -83,7 +99,11 @@ struct PlaceholderImpl : c10::TensorImpl {
 
   PlaceholderImpl(caffe2::TypeMeta dtype, std::shared_ptr<Slot> s)
       : TensorImpl(c10::DispatchKeySet(kKey), dtype, c10::Device(c10::kCPU)), slot(std::move(s)) {
-    if (slot) ++slot->holders;
+    if (slot) {
+      if (!slot->identity) slot->identity = no_data_storage();  // (the value's first placeholder)
+      storage_ = slot->identity;
+      ++slot->holders;
+    }
   }
 
   c10::intrusive_ptr<TensorImpl> shallow_copy_and_detach(const c10::VariableVersion& version,
@@ -365,10 +385,19 @@ int written_arg(const c10::FunctionSchema& schema, size_t r) {
   return -1;
 }
 
+// Is this op a collective (or its wait), of torch.distributed's namespaces?
+bool is_collective(const c10::OperatorHandle& op) {
+  const std::string& name = op.schema().name();
+  return name.rfind("c10d::", 0) == 0 || name.rfind("_c10d_functional", 0) == 0 || name.rfind("c10d_functional::", 0) == 0;
+}
+
 // Must this op run now, on real tensors? (Python reads its result, or its output's shape
-// depends on the data.)
+// depends on the data, or it is a collective: every rank issues them in one order, once each,
+// on the values; the worker would run it behind the program, a plan could run it again. Its
+// launch does not wait for it: gloo reduces on its own threads while the step goes on.)
 bool must_run_now(const c10::OperatorHandle& op) {
   if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output)) return true;
+  if (is_collective(op)) return true;
   for (const auto& r : op.schema().returns()) {
     const auto kind = r.type()->kind();
     if (kind != c10::TypeKind::TensorType && kind != c10::TypeKind::ListType && kind != c10::TypeKind::OptionalType)

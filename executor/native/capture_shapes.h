@@ -99,6 +99,20 @@ std::string registration(const std::string& dump, const std::string& key) {
 
 bool from_python(const std::string& line) { return line.find(".py:") != std::string::npos; }
 
+// Is the op's CPU kernel Python (a torch.library op, as FSDP2's fsdp::all_gather_copy_in)? The
+// worker never takes the GIL: such an op runs at once, on the step's thread (Entry::run_now).
+// Found once per op.
+bool python_kernel(const c10::OperatorHandle& op) {
+  static std::unordered_map<const void*, bool> known;  // (the step's thread only)
+  auto it = known.find(&op.schema());
+  if (it == known.end()) {
+    const std::string dump = op.dumpState();
+    const bool py = from_python(registration(dump, "CPU")) || from_python(registration(dump, "CompositeExplicitAutograd"));
+    it = known.emplace(&op.schema(), py).first;
+  }
+  return it->second;
+}
+
 // Does the op keep every written argument's metadata? (Not a view in place, a resize, an out=.)
 bool keeps_metadata(const c10::OperatorHandle& op) {
   const auto& schema = op.schema();

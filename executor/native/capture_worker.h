@@ -193,7 +193,8 @@ class StepLog {
     const auto one = [&](const at::Tensor& t) {
       const Slot* s = k < slots.size() ? slots[k] : nullptr;
       ++k;
-      if (!t.defined() || !t.has_storage()) return;
+      // (a placeholder written in place holds its slot's identity, not its value's storage)
+      if (!t.defined() || is_ph(t) || !t.has_storage()) return;
       const size_t known = nbytes.size();
       const int64_t sid = storage(t, false);
       if (static_cast<size_t>(sid) >= known) l.makes.push_back(sid);
