@@ -1430,13 +1430,32 @@ void outside(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 
+// The one handle of `op` kept for the process: the handle a kernel is given is the caller's, and a
+// caller from Python (``torch.ops``, a tensor subclass such as the functional collectives'
+// AsyncCollectiveTensor) may pass a temporary one. The capture keeps handles past the call (a
+// taped op, a cache key, a block), so it keeps this one, found by the op's schema (which lives as
+// long as the op); the same op then also meets its cache entry every time.
+const c10::OperatorHandle& lasting(const c10::OperatorHandle& op) {
+  const c10::FunctionSchema* key = &op.schema();
+  thread_local std::array<std::pair<const c10::FunctionSchema*, const c10::OperatorHandle*>, 256> hot{};
+  auto& h = hot[(reinterpret_cast<uintptr_t>(key) >> 4) & 255];
+  if (h.first == key) return *h.second;
+  static std::mutex mu;
+  static auto* kept = new std::unordered_map<const c10::FunctionSchema*, std::unique_ptr<c10::OperatorHandle>>();
+  std::lock_guard<std::mutex> g(mu);
+  auto& held = (*kept)[key];
+  if (!held) held = std::make_unique<c10::OperatorHandle>(op);
+  h = {key, held.get()};
+  return *held;
+}
+
 void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   Capture* c = g_active.load(std::memory_order_relaxed);
   if (c == nullptr) {
     outside(op, stack);
     return;
   }
-  c->run_sparse(op, stack);
+  c->run_sparse(lasting(op), stack);
 }
 
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
@@ -1452,7 +1471,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   }
   const bool timed = c->timed_now();
   const auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
-  c->answer(op, stack);
+  c->answer(lasting(op), stack);
   // (kernel_ns_ is the capture's, updated only on its step's thread)
   if (timed) c->add_kernel_ns(ns_since(t0) * kTimedEvery);
 }

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
 from executor import native
@@ -182,8 +183,24 @@ def _overlap(rank: int) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = ("ddp", "all_reduce", "fsdp2", "overlap")
-STEP_OF = {"ddp": (_ddp_step, "ddp"), "all_reduce": (_all_reduce_step, ""), "fsdp2": (_ddp_step, "fsdp2")}
+def _funcol_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor) -> torch.Tensor:
+    """Functional collectives: ``funcol.all_reduce`` returns an AsyncCollectiveTensor (a tensor
+    subclass that calls its ops through ``torch.ops``), which the next op waits for."""
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        p.grad.copy_(funcol.all_reduce(p.grad, "sum", dist.group.WORLD) / WORLD)
+    opt.step()
+    return funcol.all_reduce(loss.detach(), "sum", dist.group.WORLD) + 0.0
+
+
+SCENARIOS = ("ddp", "all_reduce", "fsdp2", "funcol", "overlap")
+STEP_OF = {
+    "ddp": (_ddp_step, "ddp"), "all_reduce": (_all_reduce_step, ""), "fsdp2": (_ddp_step, "fsdp2"),
+    "funcol": (_funcol_step, ""),
+}  # fmt: skip
 
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
@@ -245,7 +262,7 @@ def _assert_equal(want: Any, got: Any, where: str) -> None:
             _assert_equal(w, g, f"{where}[{i}]")
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "all_reduce", "fsdp2"])
+@pytest.mark.parametrize("scenario", ["ddp", "all_reduce", "fsdp2", "funcol"])
 def test_each_rank_is_bit_equal_to_eager(scenario: str, ranks: list[dict[str, Any]]) -> None:
     """ddp: DistributedDataParallel's step (bucketed all-reduce from the backward's hooks, its
     buffers broadcast in the forward); all_reduce: ``dist.all_reduce`` in the step; fsdp2:
