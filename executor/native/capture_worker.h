@@ -322,7 +322,7 @@ std::atomic<RoomMaker*> g_room{nullptr};
 // `room`: bytes it makes (a value made again), for the guard to make room for once its
 // arguments are gathered (those made again first are held by the stack then, not dropped).
 template <typename Out>
-void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1) {
+void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1, int64_t* workspace = nullptr) {
   c10::AutoGradMode grad(e.grad_mode);
   torch::jit::Stack stack;
   stack.reserve(e.args.size());
@@ -334,7 +334,15 @@ void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1) {
     t0 = std::chrono::steady_clock::now();
     log->start(*e.op, e.index, stack, false);
   }
+  // (the kernel's own bytes only: a window opened before the arguments were gathered also
+  // counted the dropped inputs made again for it and the values evicted to make room for them,
+  // a workspace of 120 KB for a ones_like of 4 bytes, which the guard then kept room for)
+  if (workspace != nullptr && log == nullptr) CountingCPUAllocator::open_window();
   e.op->callBoxed(stack);
+  if (workspace != nullptr && log == nullptr) {
+    const auto [peak, end] = CountingCPUAllocator::close_window();
+    *workspace = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
+  }
   if (log != nullptr) {
     std::vector<const Slot*> made;
     for (size_t i = 0; i < e.out_slots.size(); ++i) made.push_back(e.out_slots[i].get());
@@ -366,11 +374,12 @@ void check_shaped(const TapeEntry& e, uint32_t i, const at::Tensor& t) {
               " (a coexec bug: please report it; the capture runs such ops at once from now on in this process)");
 }
 
-void run_entry(const TapeEntry& e, StepLog* log = nullptr) {
+// `workspace`: set to the bytes the op's kernel allocated and freed again (a described op's are its log's).
+void run_entry(const TapeEntry& e, StepLog* log = nullptr, int64_t* workspace = nullptr) {
   run_op(e, [&e](uint32_t i, const at::Tensor& t) {
     if (!e.expect.empty()) check_shaped(e, i, t);
     if (e.out_slots[i]) e.out_slots[i]->real = t;
-  }, log);
+  }, log, -1, workspace);
 }
 
 const at::Tensor& value_of(Slot& s) {
@@ -1071,16 +1080,10 @@ class Worker final : public RoomMaker {
   void run_guarded(TapeEntry& e) {
     const auto t0 = std::chrono::steady_clock::now();
     StepLog* log = this->log();
-    if (log == nullptr) CountingCPUAllocator::open_window();  // (a described op's is the log's)
-    run_entry(e, log);
+    int64_t ws = 0;
+    run_entry(e, log, &ws);
     making_.store(0, std::memory_order_relaxed);
-    int64_t ws;
-    if (log == nullptr) {
-      const auto [peak, end] = CountingCPUAllocator::close_window();
-      ws = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
-    } else {
-      ws = log->ops.back().workspace;
-    }
+    if (log != nullptr) ws = log->ops.back().workspace;  // (a described op's window is the log's)
     note_workspace(e, ws);
     guard(e, ns_since(t0));
     evict(0, nullptr);  // (values made again for it, beyond what make_room counted)
