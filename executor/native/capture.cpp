@@ -254,6 +254,7 @@ class Capture {
     c10::impl::_force_tls_local_dispatch_key_set(tls);
     if (worker_) t_trash = &trash_;
     t_banish = worker_ && cap_ > 0 ? &banished_ : nullptr;
+    t_shared_slots = worker_ && (cap_ > 0 || (drops_ != nullptr && !describing_));
     return true;
   }
 
@@ -602,6 +603,7 @@ class Capture {
     g_active.store(nullptr);
     t_trash = nullptr;
     t_banish = nullptr;
+    t_shared_slots = false;
     drain();
     trash_.clear();  // (let go of after the ops that use them)
     banished_.clear();

@@ -75,6 +75,10 @@ thread_local std::vector<at::Tensor>* t_trash = nullptr;
 // guard's recipe, an op not run yet), handed to the worker the same way; there a value that
 // can be made again is dropped (Worker::bury), as eager would free it.
 thread_local std::vector<std::weak_ptr<Slot>>* t_banish = nullptr;
+// The step follows a memory plan or runs under a budget's guard: the worker holds weak pointers
+// to the step's slots (kept values, guarded values, recipes' inputs) and may lock one at any time,
+// then read or drop its value. The step's thread then never touches a dying slot's value (retire).
+thread_local bool t_shared_slots = false;
 
 class Capture;
 std::atomic<Capture*> g_active{nullptr};  // the capture a step is running under, if any
@@ -138,11 +142,14 @@ struct PlaceholderImpl : c10::TensorImpl {
   }
 
   // Out of the live list, and the slot let go of; a value nothing else holds goes to the worker
-  // (t_trash). (use_count 1: nothing else holds the slot, and nothing can take it now; the fence
-  // orders the read of its value after the worker's last release of it, which wrote the value)
+  // (t_trash). (use_count 1: nothing else holds the slot, and, with no weak pointer to it on the
+  // worker (t_shared_slots), nothing can take it now; the fence orders the read of its value
+  // after the worker's last release of it, which wrote the value. Under a plan or a guard the
+  // worker may lock the slot between the count and the move, and both threads wrote `real`: a
+  // tensor released twice, its memory reused under a live value)
   void retire() {
     gone(this);
-    if (t_trash != nullptr && slot && slot.use_count() == 1) {
+    if (t_trash != nullptr && !t_shared_slots && slot && slot.use_count() == 1) {
       std::atomic_thread_fence(std::memory_order_acquire);
       if (slot->real.defined()) t_trash->push_back(std::move(slot->real));
     } else if (t_banish != nullptr && slot && slot->holders == 1) {
