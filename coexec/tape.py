@@ -86,6 +86,9 @@ class TapeStats:
     # native backend: steps that ran eagerly, exactly as eager, because another thread's step was
     # being captured as they began (one step is captured at a time in a process)
     beside_steps: int = 0
+    # native backend: steps that called a ``torch.compile``d region, captured up to it and eager,
+    # exactly as eager, from it to their end (its compiling and compiled code run as without coexec)
+    compiled_steps: int = 0
     # of the latest co-executed step: its backward() calls issued as known gradient blocks,
     # without the autograd engine (coexec/gradients.py; native: native/capture_blocks.h)
     gradient_blocks: int = 0
@@ -384,8 +387,9 @@ class GradientTape:
     kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, no
     TraceGraph, arena, offloading or ``sync="none"``; a ``memory_budget`` is met by
     recomputation; steps run eagerly until the native module is built, and while another
-    thread's step is being captured (one at a time in a process: ``stats.beside_steps``); docs/coexec.md,
-    *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
+    thread's step is being captured (one at a time in a process: ``stats.beside_steps``), and
+    from a ``torch.compile``d region's call to the step's end (``stats.compiled_steps``);
+    docs/coexec.md, *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
     with plans: the GPU path, arenas, offloading), ``timeout`` (seconds any wait on the
     executor may take before it becomes an error), ``debug`` (print phase changes, fallbacks
     and budget plans to stderr), ``key`` (a hashable naming the program explicitly; by default
@@ -880,6 +884,14 @@ class _NativeStep:
         s.stall_seconds += c.wait_seconds - c0.wait_seconds
         s.executor_seconds += c.worker_seconds - c0.worker_seconds
         s.gradient_blocks = c.gradient_blocks - c0.gradient_blocks
+        if c.eager_rests > c0.eager_rests:
+            s.compiled_steps += 1
+            if self.debug:
+                _log(
+                    self.program,
+                    f"step {s.steps - 1} called a torch.compile'd region: its ops from there "
+                    "to its end ran eagerly, as eager",
+                )
         misses, shaped = c.misses - c0.misses, c.shaped - c0.shaped
         if self.debug and (misses or shaped):
             _log(

@@ -41,6 +41,7 @@ import contextlib
 import functools
 import os
 import site
+import sys
 import sysconfig
 import threading
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class CaptureCounters(NamedTuple):
     shaped: int  # ops new at their line whose outputs the shape oracle computed (native/capture_shapes.h)
     evicted: int  # values a budget's guard dropped (:meth:`Capture.guard`)
     overruns: int  # ops before which it could not drop enough to stay within its cap
+    eager_rests: int  # steps that called a ``torch.compile``d region: eager from it to their end
 
 
 class Capture:
@@ -292,6 +294,7 @@ class _Waiting:
         self.thread = 0
         self.swaps: list[tuple[object, str, object, object]] = []  # owner, name, original, wrapper
         self.stand_ins: dict[torch.dtype, torch.Tensor] = {}  # (stand_in_of)
+        self.dynamo: tuple | None = None  # eval_frame, its original, the wrapper (_hook_dynamo)
         for name in _DATA_ACCESS:
             original = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, _StepMethod(original, self._wrap(original, True), self))
@@ -306,6 +309,8 @@ class _Waiting:
         self.swaps.append((torch.autograd, "backward", original, self._backward(original)))
         original = torch.autograd.grad
         self.swaps.append((torch.autograd, "grad", original, self._grad(original)))
+        original = torch.compile  # (torch.compile called in a step imports Dynamo: hooked at once)
+        self.swaps.append((torch, "compile", original, self._compile(original)))
 
     def _wrap(self, original: Callable, realize_first: bool) -> Callable:
         @functools.wraps(original)
@@ -449,16 +454,53 @@ class _Waiting:
             c.backward_end(ok, watch.seen or "", watch.blind, found or ())
         return found
 
+    def _compile(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def compile(*args, **kwargs):
+            out = original(*args, **kwargs)
+            if self.stepping_here():
+                self._hook_dynamo()
+            return out
+
+        return compile
+
+    def _hook_dynamo(self) -> None:
+        """Where Dynamo is imported (``torch.compile`` was used), a ``torch.compile``d region
+        called in the step runs as eager from there to the step's end
+        (``Capture::run_rest_eagerly``): Dynamo's compiling runs FakeTensor ops, its compiled code
+        reads its inputs' memory outside the dispatcher, and its guards check the thread's
+        dispatch keys, which would hold the capture's. A region's ``compile_wrapper`` (and a
+        ``torch._dynamo.optimize`` context's ``__enter__``) calls ``set_skip_guard_eval_unsafe``
+        before it saves the thread's keys and sets Dynamo's callback; ``torch._dynamo.disable``
+        (which optimizers use) does not call it."""
+        frames = sys.modules.get("torch._dynamo.eval_frame")
+        if frames is None or not hasattr(frames, "set_skip_guard_eval_unsafe"):
+            return
+        if self.dynamo is None or self.dynamo[0] is not frames:
+            original = frames.set_skip_guard_eval_unsafe
+
+            @functools.wraps(original)
+            def set_skip_guard_eval_unsafe(*args, **kwargs):
+                if self.stepping_here():
+                    self.capture.run_rest_eagerly()
+                return original(*args, **kwargs)
+
+            self.dynamo = (frames, original, set_skip_guard_eval_unsafe)
+        frames.set_skip_guard_eval_unsafe = self.dynamo[2]
+
     def put(self, c) -> None:
         """The wrappers in place for a step of ``c`` in this thread."""
         self.capture, self.thread = c, threading.get_ident()
         for owner, name, _, wrapper in self.swaps:
             setattr(owner, name, wrapper)
+        self._hook_dynamo()
 
     def take(self) -> None:
         """The originals back (the step ended)."""
         for owner, name, original, _ in self.swaps:
             setattr(owner, name, original)
+        if self.dynamo is not None:
+            self.dynamo[0].set_skip_guard_eval_unsafe = self.dynamo[1]
         self.capture = None
 
     def stepping_here(self) -> bool:

@@ -169,6 +169,15 @@ const bool g_debug = std::getenv("COEXEC_CAPTURE_DEBUG") != nullptr;  // each op
 // What backward_begin() tells the caller to do.
 enum Backward : int { kReplayed = 0, kEngine = 1, kRecord = 2 };
 
+// ``ks`` without the capture's key. (A key set's operator- removes a functionality bit only: less
+// PrivateUse3 it kept the PrivateUse3 backend bit, and a CPU tensor's Dense bit with it made
+// PrivateUse3 again. The Dense bit stays where another backend's is left: FakeTensorMode's Meta.)
+c10::DispatchKeySet without_capture(c10::DispatchKeySet ks) {
+  ks = ks.remove_backend(c10::BackendComponent::PrivateUse3Bit);
+  if (ks.highestBackendKey() == c10::BackendComponent::InvalidBit) ks = ks - c10::DispatchKeySet(c10::DispatchKey::Dense);
+  return ks;
+}
+
 class Capture {
  public:
   // `internal`: the directories of torch's and coexec's code; `libraries`: those of other
@@ -218,6 +227,7 @@ class Capture {
     Capture* none = nullptr;
     if (!g_active.compare_exchange_strong(none, this)) return false;
     ++steps_;
+    eager_rest_ = false;
     failure_frames_.clear();
     path_.clear();
     path_hash_ = 0;
@@ -269,13 +279,39 @@ class Capture {
 
   // Capture off and on again within a step, around what reads memory outside the dispatcher
   // (nested: printing calls tolist()).
+  // (the capture's key only: the keys set since the step began stay, a FakeTensorMode's Python
+  // key among them, which from_tensor's storage read unset)
   void pause() {
-    if (stepping() && paused_++ == 0) set_included(included_before_);
+    if (stepping() && paused_++ == 0) set_included(without_capture(included_now()));
   }
 
   void resume() {
-    if (stepping() && paused_ > 0 && --paused_ == 0) set_included(included_before_ | c10::DispatchKeySet(kKey));
+    if (stepping() && paused_ > 0 && --paused_ == 0) set_included(included_now() | c10::DispatchKeySet(kKey));
   }
+
+  // A torch.compile'd region begins (executor/capture.py calls this before Dynamo reads the
+  // thread's keys): from here to the step's end every op runs as eager. Dynamo's compiling runs
+  // FakeTensor ops, its compiled code reads its inputs' memory outside the dispatcher, and its
+  // guards check the thread's keys (the capture's key in them: a compile of its own). So the
+  // worker catches up, every placeholder alive becomes its value, and the capture's key leaves
+  // the thread's keys as pause() takes it, not resumed until the step ends.
+  void run_rest_eagerly() {
+    if (!stepping() || eager_rest_) return;
+    if (recording_) refuse("a torch.compile'd region ran in the backward");
+    if (mode_ == Mode::kReplay) replay();
+    drain();
+    raise_failure();
+    if (worker_) {
+      py::gil_scoped_acquire gil;
+      worker_->exhume();  // (values a memory plan dropped, made again: as at the step's end)
+    }
+    if (mode_ != Mode::kTape) g_live.take_all([](PlaceholderImpl* p) { p->realize(); });
+    eager_rest_ = true;
+    ++eager_rests_;
+    if (paused_++ == 0) set_included(without_capture(included_now()));
+  }
+
+  bool eager_rest() const { return eager_rest_; }
 
   // The worker catches up (a failure is raised).
   void wait() {
@@ -313,7 +349,8 @@ class Capture {
     return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
                           worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_,
                           worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load(), shaped_,
-                          worker_ ? worker_->evicted() : int64_t(0), worker_ ? worker_->overruns() : int64_t(0));
+                          worker_ ? worker_->evicted() : int64_t(0), worker_ ? worker_->overruns() : int64_t(0),
+                          eager_rests_);
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -433,6 +470,8 @@ class Capture {
   Mode mode_ = Mode::kAsync;
   std::unique_ptr<Worker> worker_;
   int paused_ = 0;
+  bool eager_rest_ = false;  // (run_rest_eagerly)
+  int64_t eager_rests_ = 0;  // steps that ran their rest eagerly
   c10::DispatchKeySet included_before_;
   // per key, the variants seen (sizes that come back: a last batch, lengths drawn from a
   // range), the latest last; at most kVariants, the oldest dropped first
@@ -584,6 +623,8 @@ class Capture {
     wait_ns_ += ns_since(t0);
   }
 
+  static c10::DispatchKeySet included_now() { return c10::impl::tls_local_dispatch_key_set().included_; }
+
   static void set_included(c10::DispatchKeySet included) {
     auto tls = c10::impl::tls_local_dispatch_key_set();
     tls.included_ = included;
@@ -593,6 +634,7 @@ class Capture {
   void end_quietly() {
     set_included(included_before_);
     paused_ = 0;
+    eager_rest_ = false;
     recording_ = false;
     if (describing_)  // (the values Python still holds, before the list goes)
       for (const auto& w : values_)
@@ -1460,6 +1502,26 @@ void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
   c->run_sparse(lasting(op), stack);
 }
 
+// An op on a meta tensor: Meta is the highest backend, so one comes here only where it carries
+// another backend's keys (FakeTensorMode's tensors carry their fake device's: a CPU tensor's
+// keys and the capture's key in the thread's make PrivateUse3). Answered with a placeholder, a CPU
+// tensor without storage, it crashed Dynamo compiling in a step (extract_tensor_metadata read
+// its storage); it runs below the capture instead, as without it.
+bool meta_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  bool meta = false;
+  const size_t n = op.schema().arguments().size();
+  for (auto it = stack.end() - static_cast<std::ptrdiff_t>(n); it != stack.end() && !meta; ++it)
+    each_tensor(*it, [&](const at::Tensor& t) { meta = meta || (t.defined() && t.is_meta()); });
+  return meta;
+}
+
+// Below the capture, at once (placeholders stand for their values, the worker caught up first).
+void below(Capture* c, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  c->wait();
+  auto args = take_args(op, stack);
+  run_on_values(op, args, stack, without_capture(c10::impl::tls_local_dispatch_key_set().included_));
+}
+
 void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   Capture* c = g_active.load(std::memory_order_relaxed);
   if (g_debug) std::cerr << "coexec capture: " << op.schema().name() << "." << op.schema().overload_name() << (c ? "" : " (outside a step)") << std::endl;
@@ -1469,6 +1531,10 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   }
   if (c == nullptr) {
     outside(op, stack);
+    return;
+  }
+  if (c->eager_rest() || meta_op(op, *stack)) {
+    below(c, op, stack);
     return;
   }
   const bool timed = c->timed_now();
@@ -1491,6 +1557,7 @@ void bind_capture(py::module_& m) {
       .def("end", &Capture::end)
       .def("pause", &Capture::pause)
       .def("resume", &Capture::resume)
+      .def("run_rest_eagerly", &Capture::run_rest_eagerly)
       .def("realize", &Capture::realize)
       .def("wait", &Capture::wait)
       .def("replay", &Capture::replay)

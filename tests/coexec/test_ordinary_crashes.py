@@ -310,3 +310,84 @@ def test_two_threads_training_at_once_are_eager() -> None:
     assert _same(states, want_states)
     s = tapes[0].stats
     assert s.steps == 2 * steps and s.coexec_steps + s.beside_steps == 2 * steps
+
+
+# -- 5. a torch.compile'd model in the step ----------------------------------------------------
+
+
+def _compiled_state(backend: str) -> dict:
+    state = _mlp_state(5)
+    # (in a tuple: _state_of reads the model once, through "model")
+    state["compiled"] = (torch.compile(state["model"], backend=backend),)
+    return state
+
+
+def _compiled_step(state: dict, i: int) -> torch.Tensor:
+    """The step of a compiled model: its input made in the step (a placeholder up to the
+    region), the compiled forward, its backward (AOTAutograd's) and Adam's step."""
+    (compiled,), opt = state["compiled"], state["opt"]
+    opt.zero_grad()
+    x = state["x"] * (1 + i)
+    loss = nn.functional.cross_entropy(compiled(x), state["y"])
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _compiles(
+    backend: str, steps: int, captured: bool
+) -> tuple[list, list, coexec.GradientTape | None, dict]:
+    """The compiled model trained from a fresh Dynamo; (results, state, tape, Dynamo's counts)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got, state, tape = _run(lambda: _compiled_state(backend), _compiled_step, steps, captured)
+    counters = torch._dynamo.utils.counters
+    counted = {k: dict(v) for k, v in counters.items() if k in ("stats", "frames")}
+    return got, state, tape, counted
+
+
+def _assert_compiled_as_eager(backend: str, steps: int) -> None:
+    want, want_state, _, want_counted = _compiles(backend, steps, False)
+    got, got_state, tape, counted = _compiles(backend, steps, True)
+    assert _same(got, want), f"losses differ:\ncaptured {got}\neager    {want}"
+    assert len(got_state) == len(want_state)
+    for i, (a, b) in enumerate(zip(got_state, want_state)):
+        assert not is_placeholder(a)
+        assert _same(a, b), f"state tensor {i} differs"
+    # (compiled once, as without coexec: not once more per step, nor for the capture's keys)
+    assert counted == want_counted, (counted, want_counted)
+    assert counted["stats"]["unique_graphs"] >= 1
+    s = tape.stats
+    assert s.coexec_steps == steps and s.compiled_steps == steps, s
+
+
+def test_a_compiled_model_in_the_step_is_eager_from_its_call() -> None:
+    _assert_compiled_as_eager("aot_eager", 4)
+
+
+def test_an_inductor_compiled_model_in_the_step_is_eager_from_its_call() -> None:
+    _assert_compiled_as_eager("inductor", 4)
+
+
+def test_meta_and_fake_tensors_in_the_step_are_theirs() -> None:
+    """An op on meta tensors, or under a FakeTensorMode, runs below the capture (the capture's
+    key is the highest backend's: it took them from the Meta kernels, answered with CPU
+    placeholders without storage, and Dynamo read one's storage and crashed)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    native.wait()
+    tape = coexec.GradientTape(key=("crashes", next(_keys)))
+    w = torch.ones(3, requires_grad=True)
+    for _ in range(2):
+        with tape:
+            m = torch.empty(2, 3, device="meta") + 1
+            with FakeTensorMode() as mode:
+                f = mode.from_tensor(torch.zeros(4, 3)) @ torch.ones(3, 5)
+                size = f.untyped_storage().nbytes()
+            loss = (w * 2).sum()
+            loss.backward()
+        assert m.is_meta and m.shape == (2, 3) and not is_placeholder(m)
+        assert isinstance(f, FakeTensor) and f.shape == (4, 5) and size == 80
+    assert torch.equal(w.grad, torch.full((3,), 4.0)) and tape.stats.coexec_steps == 2
