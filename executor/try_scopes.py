@@ -99,11 +99,6 @@ def try_scopes(code: CodeType) -> TryScopes:
     return TryScopes(_merged(catching), _merged(swallowing))
 
 
-def catching_spans(code: CodeType) -> Spans:
-    """Where an ``except`` of ``code`` may catch an op's error (:func:`try_scopes`)."""
-    return try_scopes(code).catching
-
-
 def _merged(spans: Spans) -> Spans:
     out: Spans = []
     for s, t in sorted(spans):

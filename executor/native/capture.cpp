@@ -228,7 +228,6 @@ class Capture {
     if (!g_active.compare_exchange_strong(none, this)) return false;
     ++steps_;
     eager_rest_ = false;
-    failure_frames_.clear();
     path_.clear();
     path_hash_ = 0;
     first_value_ = next_value_;
@@ -451,7 +450,6 @@ class Capture {
 
   // Where the last failure raised on the worker was called: the user's frame, then the
   // library's (file, line, function), outermost first; empty where unknown.
-  const std::vector<Frame>& failure_frames() const { return failure_frames_; }
 
 
   void add_kernel_ns(int64_t ns) { kernel_ns_ += ns; }
@@ -492,7 +490,6 @@ class Capture {
     bool in_try = false;  // a user frame up to the step's calls it inside a try that may catch its error
   };
   std::vector<Place> places_;
-  std::vector<Frame> failure_frames_;
   // every code object met on the way to an op, owned (places_ and the cache's keys point into
   // it; a reference per op would need the GIL per op), and whether it is torch's or coexec's
   struct CodeFacts {
@@ -675,20 +672,19 @@ class Capture {
     auto [index, error] = worker_->error();
     if (index < 0) return;
     worker_->clear_error();
-    failure_frames_.clear();
     py::gil_scoped_acquire gil;
-    std::string op = "an op";
+    std::vector<Frame> frames;  // (outermost first)
     if (index < static_cast<int64_t>(places_.size()) && places_[index].code != nullptr) {
       const Place& p = places_[index];
       // the user's line first, then the library's where the op was made inside it
       const bool inside = p.user != nullptr && (p.user != p.code || p.user_lasti != p.lasti);
-      if (inside) failure_frames_.push_back(frame_of(p.user, p.user_lasti));
-      failure_frames_.push_back(frame_of(p.code, p.lasti));
+      if (inside) frames.push_back(frame_of(p.user, p.user_lasti));
+      frames.push_back(frame_of(p.code, p.lasti));
     }
     places_.clear();
     as_python_error(error);  // (sets Python's error indicator)
     py::error_already_set raised;
-    py::object found = with_place_(raised.value(), index, failure_frames_);
+    py::object found = with_place_(raised.value(), index, frames);
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(found.ptr())), found.ptr());
     throw py::error_already_set();
   }
@@ -736,8 +732,6 @@ class Capture {
     hot = {code, &it->second};  // (a map's values stay where they are)
     return it->second;
   }
-
-  bool internal(PyCodeObject* code, std::optional<py::gil_scoped_acquire>& gil) { return facts(code, gil).internal; }
 
   static bool covers(const std::vector<std::pair<int, int>>& spans, int lasti) {
     for (const auto& [begin, end] : spans)
@@ -1344,19 +1338,33 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t nret = schema.returns().size();
   auto args = take_args(op, stack);
-  ++ops_;
   // the op's part of the step's path: where its tensors came from, and its numbers where
   // autograd may save them (its entry is added below)
   const bool grad_mode = c10::GradMode::is_enabled();
-  bool needs_grad = false;
+  bool needs_grad = false, meta = false;
   uint64_t d = grad_mode;
   for (const auto& a : args)  // (placeholders report the CPU: a CUDA step would be answered wrong)
     each_tensor(a, [&](const at::Tensor& t) {
-      TORCH_CHECK(!t.defined() || t.is_cpu() || t.is_meta(), "coexec: capture runs steps on the CPU only for now; ",
+      if (t.defined() && t.is_meta()) {
+        meta = true;
+        return;
+      }
+      TORCH_CHECK(!t.defined() || t.is_cpu(), "coexec: capture runs steps on the CPU only for now; ",
                   op.schema().name(), " got a tensor on ", t.device());
       d = mix(d, wiring(t));
       needs_grad = needs_grad || (t.defined() && t.requires_grad());
     });
+  // An op on a meta tensor: Meta is the highest backend, so one comes here only where it carries
+  // another backend's keys (FakeTensorMode's tensors carry their fake device's: a CPU tensor's
+  // keys and the capture's key in the thread's make PrivateUse3). Answered with a placeholder, a
+  // CPU tensor without storage, it crashed Dynamo compiling in a step (extract_tensor_metadata
+  // read its storage); it runs below the capture instead, as without it.
+  if (meta) {
+    wait();
+    run_on_values(op, args, stack, without_capture(included_now()));
+    return;
+  }
+  ++ops_;
   if (grad_mode && needs_grad)
     for (const auto& a : args) {
       if (a.isDouble()) {
@@ -1502,20 +1510,8 @@ void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
   c->run_sparse(lasting(op), stack);
 }
 
-// An op on a meta tensor: Meta is the highest backend, so one comes here only where it carries
-// another backend's keys (FakeTensorMode's tensors carry their fake device's: a CPU tensor's
-// keys and the capture's key in the thread's make PrivateUse3). Answered with a placeholder, a CPU
-// tensor without storage, it crashed Dynamo compiling in a step (extract_tensor_metadata read
-// its storage); it runs below the capture instead, as without it.
-bool meta_op(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
-  bool meta = false;
-  const size_t n = op.schema().arguments().size();
-  for (auto it = stack.end() - static_cast<std::ptrdiff_t>(n); it != stack.end() && !meta; ++it)
-    each_tensor(*it, [&](const at::Tensor& t) { meta = meta || (t.defined() && t.is_meta()); });
-  return meta;
-}
-
-// Below the capture, at once (placeholders stand for their values, the worker caught up first).
+// After a torch.compile'd region began (Capture::run_rest_eagerly): below the capture, at once
+// (placeholders stand for their values, the worker caught up first).
 void below(Capture* c, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   c->wait();
   auto args = take_args(op, stack);
@@ -1533,7 +1529,7 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
     outside(op, stack);
     return;
   }
-  if (c->eager_rest() || meta_op(op, *stack)) {
+  if (c->eager_rest()) {
     below(c, op, stack);
     return;
   }
@@ -1573,8 +1569,7 @@ void bind_capture(py::module_& m) {
       .def_property_readonly("outgrew", &Capture::outgrew)
       .def_property_readonly("backward_why", &Capture::backward_why)
       .def_property_readonly("stepping", &Capture::stepping)
-      .def_property_readonly("counters", &Capture::counters)
-      .def_property_readonly("failure_frames", &Capture::failure_frames);
+      .def_property_readonly("counters", &Capture::counters);
   m.def("is_placeholder", &is_ph);
   // (bench/native_memory.py) the CPU allocator's bytes: counted from the first call on
   m.def("count_cpu_bytes", [] { count_cpu_bytes(); });
