@@ -43,7 +43,7 @@ struct Slot {
   std::shared_ptr<Recipe> recipe;
   int64_t dropped_bytes = 0;  // what its value held when the guard dropped it (its remake's bytes)
   const void* dropped_from = nullptr;  // the storage it had then (a described step's log: StepLog::remade)
-  int64_t made_ns = 0;        // its op's time (the guard's cost of making it again)
+  int64_t remake_cost = 0;    // its op's modeled cost (the guard's cost of making it again: guard_cost)
   std::atomic<int32_t> recipe_holds{0};  // guard's recipes holding it (Worker::bury)
   // the storage its placeholders hold until they become the value: one per value, without data.
   // C++ outside the dispatcher compares storages without asking for data: DDP's reducer asks

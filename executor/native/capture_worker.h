@@ -725,12 +725,62 @@ class Worker final : public RoomMaker {
   // be read (needed), else forgets them.
   static constexpr int64_t kGuardMinBytes = 4096;  // (smaller values are not worth a recipe)
 
-  // After op `e` ran for `ns` under a guard: its values get a recipe; those in storages of
-  // their own may be dropped by make_room.
-  void guard(const TapeEntry& e, int64_t ns) {
+  // What making `e`'s outputs again costs, modeled from sizes (the bytes it reads and writes,
+  // and a matmul's or convolution's multiply-adds), never measured: a kernel's time varies with
+  // the machine's load, and with it the guard's choice between values of equal size; one choice
+  // made a chain of dropped values that a backward op needed at once, 5-21 KB past the budget in
+  // 1 of 4 runs of tests/coexec/test_native_budget.py.
+  static int64_t guard_cost(const TapeEntry& e) {
+    int64_t bytes = 0;
+    std::vector<at::Tensor> ins;  // (in argument order; placeholders' values as the op read them)
+    for (size_t i = 0; i < e.args.size(); ++i) {
+      const uint32_t begin = e.arg_slots[i];
+      const uint32_t end = i + 1 < e.arg_slots.size() ? e.arg_slots[i + 1] : static_cast<uint32_t>(e.slots.size());
+      uint32_t k = begin;  // (an argument with placeholders has a slot per tensor, null for a real one)
+      each_tensor(e.args[i], [&](const at::Tensor& a) {
+        const Slot* s = k < end ? e.slots[k++].get() : nullptr;
+        const at::Tensor& t = s != nullptr ? s->real : a;
+        if (!t.defined()) return;
+        bytes += static_cast<int64_t>(t.numel() * t.element_size());
+        ins.push_back(t);
+      });
+    }
+    int64_t out_numel = 0;
+    for (const auto& s : e.out_slots)
+      if (s && s->real.defined()) {
+        bytes += static_cast<int64_t>(s->real.numel() * s->real.element_size());
+        out_numel += s->real.numel();
+      }
+    return bytes + multiply_adds(*e.op, ins, out_numel);
+  }
+
+  // A matmul's or convolution's multiply-adds (per output element, times its outputs); 0 for
+  // other ops. `ins`: its tensor arguments in order.
+  static int64_t multiply_adds(const c10::OperatorHandle& op, const std::vector<at::Tensor>& ins, int64_t out_numel) {
+    const std::string& name = op.schema().name();
+    if (name.find("conv") != std::string::npos) {  // (the weight: its elements per output channel)
+      if (ins.size() < 2 || ins[1].dim() < 3) return 0;
+      return ins[1].numel() / std::max<int64_t>(1, ins[1].size(0)) * out_numel;
+    }
+    // (the first matrix: `self` of mm, bmm, matmul, linear; mat1 where the first is added)
+    size_t first = 0;
+    if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::addmv" || name == "aten::addbmm") {
+      first = 1;
+    } else if (name != "aten::mm" && name != "aten::bmm" && name != "aten::matmul" && name != "aten::linear" &&
+               name != "aten::mv" && name != "aten::dot") {
+      return 0;
+    }
+    if (ins.size() <= first || ins[first].dim() == 0) return 0;
+    return ins[first].size(-1) * out_numel;
+  }
+
+  // After op `e` ran under a guard: its values get a recipe; those in storages of their own may
+  // be dropped by make_room.
+  void guard(const TapeEntry& e) {
     // (a gradient's recipe would hold the forward's values to the step's end through .grad)
     if (!e.forward || e.out_slots.empty() || t_remaking > 0 || !remakeable(*e.op)) return;
     std::shared_ptr<Recipe> recipe;
+    int64_t cost = -1;
     for (const auto& s : e.out_slots) {
       if (!s || s->recipe || !s->real.defined() || s->id < first_value_ || !s->real.has_storage()) continue;
       const c10::Storage& st = s->real.storage();
@@ -749,7 +799,8 @@ class Worker final : public RoomMaker {
           }
       }
       s->recipe = recipe;
-      s->made_ns = ns;
+      if (cost < 0) cost = guard_cost(e);
+      s->remake_cost = cost;
       guarded_.push_back({s, e.index});  // (a view, too: once its base is dropped, it holds the storage)
     }
   }
@@ -789,20 +840,20 @@ class Worker final : public RoomMaker {
 
  private:
 
-  // What making `s` again takes (once dropped): the bytes and time of it and of its dropped
-  // inputs, to `depth`, and how long the chain of dropped values ending at it is.
+  // What making `s` again takes (once dropped): the bytes and cost (guard_cost) of it and of its
+  // dropped inputs, to `depth`, and how long the chain of dropped values ending at it is.
   struct Remake {
-    int64_t bytes = 0, ns = 0;
+    int64_t bytes = 0, cost = 0;
     int chain = 0;
   };
   static Remake remaking(const Slot& s, int depth) {
-    Remake c{s.dropped_bytes, s.made_ns, 0};
+    Remake c{s.dropped_bytes, s.remake_cost, 0};
     if (depth > 0 && s.recipe)
       for (const auto& in : s.recipe->entry.slots)
         if (in && in.get() != &s && !in->real.defined() && in->recipe) {
           const Remake r = remaking(*in, depth - 1);
           c.bytes += r.bytes;
-          c.ns += r.ns;
+          c.cost += r.cost;
           c.chain = std::max(c.chain, 1 + r.chain);
         }
     return c;
@@ -828,9 +879,9 @@ class Worker final : public RoomMaker {
   static constexpr int kNeeded = 256;  // (needed(): further, a value counts as needed)
 
   // Drop values until `need` more bytes fit under the cap, one at a time, the one with the least
-  // time to make again (its dropped inputs' included) per byte and per op since it was made
-  // first; values the program let go of (kept for a recipe) before those it holds. Not `e`'s
-  // inputs (the op about to run).
+  // modeled cost to make again (guard_cost, its dropped inputs' included) per byte and per op
+  // since it was made first, the oldest of equals; values the program let go of (kept for a
+  // recipe) before those it holds. Not `e`'s inputs (the op about to run).
   void evict(int64_t need, const TapeEntry* e) {
     CountingCPUAllocator& bytes = count_cpu_bytes();
     // (and room for what the shape oracle's stand-ins may hold meanwhile on the step's thread:
@@ -859,26 +910,29 @@ class Worker final : public RoomMaker {
       }
       guarded_.resize(kept);
       double best = 0;
+      int64_t pick_at = 0;
       const std::vector<std::pair<std::shared_ptr<Slot>, int64_t>>* pick = nullptr;
       for (const auto& [storage, members] : groups) {
         if (static_cast<size_t>(members.front().first->real.storage().use_count()) != members.size()) continue;
-        int64_t ns = 0, at = now;
+        int64_t cost = 0, at = now;
         bool ok = true;
         for (const auto& [m, made_at] : members) {
           const Remake r = remaking(*m, kLongestChain);
           if (r.chain + 1 + chain_down(*m, kLongestChain) > kLongestChain) ok = false;
-          ns += r.ns;
+          cost += r.cost;
           at = std::min(at, made_at);
         }
         if (!ok) continue;
         const auto nb = static_cast<double>(storage->nbytes());
         const double age = std::max(static_cast<double>(now - at), 0.0) + 1.0;
-        double score = static_cast<double>(ns + 1) / (nb * age);
+        double score = static_cast<double>(cost + 1) / (nb * age);
         // (one the program holds after those it let go of; a relaxed read of `holders`, as above)
         for (const auto& [m, made_at] : members)
           if (__atomic_load_n(&m->holders, __ATOMIC_RELAXED) > 0) score += 1.0;
-        if (pick == nullptr || score < best) {
+        // (a tie to the oldest: not to the order of storages' addresses in `groups`)
+        if (pick == nullptr || score < best || (score == best && at < pick_at)) {
           best = score;
+          pick_at = at;
           pick = &members;
         }
       }
@@ -1076,16 +1130,15 @@ class Worker final : public RoomMaker {
     known = std::max(known, ws);
   }
 
-  // Run `e` under the guard: its workspace and time measured, its new values guarded.
+  // Run `e` under the guard: its workspace measured, its new values guarded.
   void run_guarded(TapeEntry& e) {
-    const auto t0 = std::chrono::steady_clock::now();
     StepLog* log = this->log();
     int64_t ws = 0;
     run_entry(e, log, &ws);
     making_.store(0, std::memory_order_relaxed);
     if (log != nullptr) ws = log->ops.back().workspace;  // (a described op's window is the log's)
     note_workspace(e, ws);
-    guard(e, ns_since(t0));
+    guard(e);
     evict(0, nullptr);  // (values made again for it, beyond what make_room counted)
   }
 
