@@ -65,11 +65,11 @@ def persistent_bytes(z) -> int:
 
 
 def peak_of(step, persistent: int) -> int:
+    """The state and, at their most, the bytes ``step`` made (tape.stats.peak_bytes's definition)."""
     cpu = native.wait()
-    live = cpu.cpu_bytes()[0]
     cpu.reset_cpu_peak()
     step()
-    return persistent + cpu.cpu_bytes()[1] - live
+    return persistent + cpu.cpu_bytes_made()[1]
 
 
 def timed(step) -> float:

@@ -15,9 +15,9 @@ followed beside the guard at larger ones, left the guard values it could not dro
 over the budget); a plan made for a smaller step than the one in use (by their unplanned peaks)
 is left unused, so the plan in use is that of the largest step described. From the first step
 on, the capture's guard (``Capture.guard``, ``native/capture_worker.h``) holds every step
-within the budget (less the state the last described step found: the allocator counts the
-step's own bytes; the steps before the first planned description are described for that alone,
-and the first step, whose state nothing tells, counts everything alive as it begins) where the
+within the budget (less the state the plan counts, or the last described step found and left:
+the allocator counts the bytes the step makes; steps without a plan are described for their
+state, and the first step, whose state nothing tells, counts everything alive as it begins) where the
 plan does not: before the plan arrives, and on a step
 larger than the one planned, by dropping values on the worker where an op would go over and
 making them again where read (a larger step's plan that cannot meet the budget leaves the steps
@@ -157,8 +157,7 @@ class NativeBudget:
         self.plans = 0  # plans taken into use
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
         self.planning_seconds = 0.0  # the planner's time on them
-        self.live0 = 0
-        self.persistent: int | None = None  # bytes the described step found existing (its state)
+        self.persistent: int | None = None  # the state the last described step found and left
         self.remade0 = self.misses0 = 0
         self.remade_seconds0 = 0.0
 
@@ -176,36 +175,36 @@ class NativeBudget:
             or (self.unfollowed >= UNFOLLOWED and self.steps - self.described_at >= REPLAN_EVERY)
         )
         self.describing = self.future is None and self.steps >= WARM_UP and due
-        # (before any step is, warm-up steps are described too, for the state they find: the
-        # guard of the step after them keeps the step's own bytes within what it leaves)
-        self.described = self.describing or self._persistent() is None
+        # (steps without a plan are described too, for the state they find: their bytes, and
+        # the guard of the step after them)
+        self.described = self.describing or self.plan is None
         if self.described:
             capture.describe_next()
         followed = self._followed()
         capture.follow(None if followed is None else followed.drops)
         cpu.reset_cpu_peak()
-        self.live0 = cpu.cpu_bytes()[0]
         # (the guard: the step's own bytes kept within what the budget leaves beside its state;
         # the first step's state is not known: everything alive as it begins is counted)
-        persistent = self._persistent()
-        state = self.live0 if persistent is None else persistent
-        capture.guard(self.live0 + max(1, self.budget - state))
+        state = self._state()
+        capture.guard(max(1, self.budget - (cpu.cpu_bytes()[0] if state is None else state)))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
         return lines
 
     def after(self, capture: Any, cpu: Any, stats: Any) -> None:
         """After a step: its description sent to be planned, whether it followed the plan, what
-        it held at its peak (persistent state as the described step had it, plus what the
-        step allocated beyond what was live as it began)."""
+        it held at its peak (the state it found, or as the plan or the last described step
+        counted it, and the bytes it made at their most)."""
         self.steps += 1
         d = capture.description() if self.described else None
         found = None if d is None else _state_bytes(d)  # (the state this step found)
+        made_alive, made_peak = cpu.cpu_bytes_made()
         if found is not None:
-            # (the state of the steps after it: what it found, and what it left alive beyond
-            # what it began with, an optimizer's state made in a first step; counted as found,
-            # the second step's guard left it 3% too much room)
-            self.persistent = found + max(0, cpu.cpu_bytes()[0] - self.live0)
+            # (the state of the unplanned step after it: what it found, and what it made and
+            # left alive, an optimizer's state made in a first step (counted as found, the
+            # second step's guard left it 3% too much room), and gradients, which the next step
+            # may let go of before its peak: too much, rather than too little)
+            self.persistent = found + made_alive
         if self.describing and capture.counters.misses > self.misses0:
             # (ops new at their line ran at once: not the path's settled ops; the next step is described)
             self.unplannable += 1
@@ -225,8 +224,10 @@ class NativeBudget:
         if self.unplannable >= UNPLANNABLE and not self.warned:
             self.warned = True
             self._warn_unplanned()
-        persistent = found if found is not None and self.plan is None else self._persistent()
-        stats.peak_bytes = (persistent or 0) + cpu.cpu_bytes()[1] - self.live0
+        # (one definition of a step's bytes, the planner's: the state it found, and at their
+        # most the bytes it made; the smallest budget BudgetTooSmall names counts the same)
+        persistent = found if found is not None else self._state()
+        stats.peak_bytes = (persistent or 0) + made_peak
         followed = self._followed()
         stats.planned_peak_bytes = followed.planned_peak if followed is not None else None
         stats.plans_made, stats.planning_seconds = self.plans_made, self.planning_seconds
@@ -247,10 +248,10 @@ class NativeBudget:
         meet the budget)."""
         return None if self.growing else self.plan
 
-    def _persistent(self) -> int | None:
-        """The bytes of the state a step holds besides its own (parameters, optimizer state,
-        inputs): as the plan in use counted them, or the last described step found them; None
-        before a step is described."""
+    def _state(self) -> int | None:
+        """The bytes of the state a step finds (parameters, optimizer state, inputs): as the plan
+        in use counted them, or the last described step found and left them; None before a
+        step is described."""
         return self.plan.persistent_bytes if self.plan is not None else self.persistent
 
     def _warn_unplanned(self) -> None:

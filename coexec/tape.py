@@ -74,8 +74,9 @@ class TapeStats:
     executor_seconds: float = 0.0
     last_ops: int = 0  # ATen ops in the latest step
     # device memory of the latest co-executed step: persistent state plus the executor's
-    # peak of live bytes, the arena counted whole (measured), and the plan's prediction for
-    # the path it took (None: no plan, or a path no plan has seen yet)
+    # peak of live bytes, the arena counted whole (measured; native backend, under a budget: the
+    # state the step found and the bytes it made at their most, 0 without a budget), and the
+    # plan's prediction for the path it took (None: no plan, or a path no plan has seen yet)
     peak_bytes: int = 0
     planned_peak_bytes: int | None = None
     planned_blocks: int = 0  # blocks of the latest co-executed step run in a planned order

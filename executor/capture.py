@@ -157,11 +157,12 @@ class Capture:
             self._c.set_drops(list(plan.ops), sorted(plan.keep), sorted(plan.after.items()), list(plan.value_bytes))
 
     def guard(self, cap: int) -> None:
-        """Keep the next steps' ops within ``cap`` live bytes of the CPU allocator
-        (``native.cpu_bytes()``; 0: no guard): before an op that would take it past the cap, the
-        worker drops values it can make again (cheapest per byte, oldest first) and makes them
-        again where they are read. A memory budget's backstop for steps its plan does not cover
-        (coexec/native_plans.py)."""
+        """Keep the next steps' ops within ``cap`` bytes of the blocks the CPU allocator handed
+        out since ``native.reset_cpu_peak()`` and still holds (``native.cpu_bytes_made()``, a
+        step's own bytes when reset as it begins; 0: no guard): before an op that would take them
+        past the cap, the worker drops values it can make again (least modeled cost per byte,
+        oldest first) and makes them again where they are read. A memory budget's backstop for
+        steps its plan does not cover (coexec/native_plans.py)."""
         self._c.guard(int(cap))
 
     @property

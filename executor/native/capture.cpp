@@ -430,8 +430,9 @@ class Capture {
 
   void clear_drops() { drops_.reset(); }
 
-  // Keep the next steps' ops within `cap` live bytes of the CPU allocator (0: no guard), by
-  // dropping values where an op would go past it (Worker::make_room).
+  // Keep the next steps' ops within `cap` bytes of blocks the CPU allocator handed out since its
+  // reset_peak() and still held (0: no guard), by dropping values where an op would go past it
+  // (Worker::make_room).
   void guard(int64_t cap) {
     TORCH_CHECK(cap >= 0, "coexec: a guard's cap is a byte count (0: none), not ", cap);
     cap_ = cap;
@@ -1578,6 +1579,10 @@ void bind_capture(py::module_& m) {
     return py::make_tuple(c.live(), c.peak());
   });
   m.def("reset_cpu_peak", [] { count_cpu_bytes().reset_peak(); });
+  m.def("cpu_bytes_made", [] {  // (the bytes allocated since reset_cpu_peak still held, their peak)
+    auto& c = count_cpu_bytes();
+    return py::make_tuple(c.made(), c.made_peak());
+  });
   // the capture worker's kept blocks (cpu_block_cache.h)
   m.def("cpu_block_cache", [] {
     const BlockCacheStats s = count_cpu_bytes().cache().stats();

@@ -476,7 +476,8 @@ class Worker final : public RoomMaker {
 
   // The next step's memory plan (null: none) and whether it is described, from the step's
   // thread while the worker has nothing to run (before the step's first op is published).
-  // `cap`: the CPU allocator's live bytes the step's ops keep within (0: no guard; Worker::guard).
+  // `cap`: the bytes the CPU allocator handed out since its reset_peak() (made()) that the step's
+  // ops keep within (0: no guard; Worker::guard).
   void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value, int64_t cap) {
     drops_ = std::move(drops);
     following_ = drops_ != nullptr;
@@ -833,7 +834,7 @@ class Worker final : public RoomMaker {
   bool reserve_for_stand_ins(int64_t need) {
     g_stand_in_reserved.store(need, std::memory_order_seq_cst);
     if (need == 0 || cap_ <= 0) return true;
-    return count_cpu_bytes().live() + making_.load(std::memory_order_seq_cst) + need <= cap_;
+    return count_cpu_bytes().made() + making_.load(std::memory_order_seq_cst) + need <= cap_;
   }
   // From the step's thread, the worker drained (it has nothing to run): room for the reserved.
   void make_room_for_stand_ins() { evict(0, nullptr); }
@@ -887,7 +888,7 @@ class Worker final : public RoomMaker {
     // (and room for what the shape oracle's stand-ins may hold meanwhile on the step's thread:
     // reserve_for_stand_ins)
     need += g_stand_in_reserved.load(std::memory_order_seq_cst);
-    if (cap_ <= 0 || bytes.live() + need <= cap_) return;
+    if (cap_ <= 0 || bytes.made() + need <= cap_) return;
     const auto uses = [e](const Slot* s) {
       if (e != nullptr)
         for (const auto& x : e->slots)
@@ -895,7 +896,7 @@ class Worker final : public RoomMaker {
       return false;
     };
     const int64_t now = e != nullptr ? e->index : (guarded_.empty() ? 0 : guarded_.back().at + 1);
-    while (bytes.live() + need > cap_) {
+    while (bytes.made() + need > cap_) {
       // (values sharing a storage, a view and its base, are dropped together: one alone frees
       // nothing)
       std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<std::shared_ptr<Slot>, int64_t>>> groups;
