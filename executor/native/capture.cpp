@@ -242,7 +242,10 @@ class Capture {
       g_issued.store(0);
     }
     g_describing.store(describing_);
-    if (worker_) worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_, cap_);
+    if (worker_) {
+      worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_, cap_);
+      release_openmp_team();  // (the worker computes the step: this thread's team goes, openmp_team.h)
+    }
     saved_hooks_ = false;
     forward_ = true;
     missed_ = false;
@@ -645,6 +648,7 @@ class Capture {
     t_banish = nullptr;
     t_shared_slots = false;
     drain();
+    if (worker_) worker_->release_team();  // (this thread computes again: the worker's team goes)
     trash_.clear();  // (let go of after the ops that use them)
     banished_.clear();
     if (worker_) {
