@@ -1,0 +1,129 @@
+"""Does a captured step slow the process down? Eager steps before and after captured ones, in one process.
+
+    python bench/omp_slowdown.py [--programs zoo:lstm-lm,zoo:mlp,...] [--batch 16] [--eager 30]
+                                 [--captured 20] [--threads 0]
+
+Per program, in this one process: ``--eager`` eager steps, ``--captured`` steps under
+``coexec.GradientTape()`` (the default backend), then ``--eager`` eager steps again. Issue 52
+found eager steps after captured ones up to 2x slower (the LSTM LM: 24-38 ms before, 52-66 ms
+after): libgomp throttles the spinning of every OpenMP team once the process manages more
+OpenMP threads than it has cores, and the capture's worker owned a second team. Columns:
+``before ms`` and ``after ms`` (medians of the eager steps), ``after/before`` (issue 52 asks for
+at most 1.05), ``captured ms`` (median captured step) and ``worker ms`` (the worker's busy time
+per captured step: its kernels, to set beside ``before ms``, eager's kernels and dispatch),
+and the process's threads after the run (``/proc/self/task``). Each program runs in a fresh
+process of its own (its eager steps before any captured step in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+import coexec  # noqa: E402
+from common import markdown_table  # noqa: E402
+from executor import native  # noqa: E402
+from fair_speed import _build, expand  # noqa: E402
+
+
+def timed(step, i: int, tape=None) -> float:
+    t0 = time.perf_counter()
+    if tape is None:
+        loss = step(i)
+    else:
+        with tape:
+            loss = step(i)
+    float(loss)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(program: str, args: argparse.Namespace) -> dict:
+    _, step = _build(program, args.batch)
+    tape = coexec.GradientTape()
+    i = 0
+    for _ in range(5):  # (warm-up, eager)
+        timed(step, i)
+        i += 1
+    before = []
+    for _ in range(args.eager):
+        before.append(timed(step, i))
+        i += 1
+    for _ in range(5):  # (the capture meets the ops)
+        timed(step, i, tape)
+        i += 1
+    w0 = tape.stats.executor_seconds
+    captured = []
+    for _ in range(args.captured):
+        captured.append(timed(step, i, tape))
+        i += 1
+    worker_ms = (tape.stats.executor_seconds - w0) * 1e3 / args.captured
+    after = []
+    for _ in range(args.eager):
+        after.append(timed(step, i))
+        i += 1
+    b, a = statistics.median(before), statistics.median(after)
+    return {
+        "program": program,
+        "before ms": b,
+        "after ms": a,
+        "after/before": a / b,
+        "captured ms": statistics.median(captured),
+        "worker ms": worker_ms,
+        "threads": len(os.listdir("/proc/self/task")),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--programs", default="zoo:lstm-lm,zoo:mlp,zoo:gpt2-6l,zoo:resnet18")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--eager", type=int, default=30)
+    ap.add_argument("--captured", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore", RuntimeWarning)
+    programs = expand(args.programs, args.batch)
+    if len(programs) == 1:  # (the child: one program, its eager steps before any capture)
+        native.wait()
+        print(json.dumps(measure(programs[0], args)))
+        return
+    rows = []
+    for p in programs:  # (each in a fresh process: "before" is before any captured step)
+        print(f"{p} ...", file=sys.stderr, flush=True)
+        argv = [a for a in sys.argv[1:]]
+        cmd = [sys.executable, __file__, *_without(argv, "--programs"), "--programs", p]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(markdown_table(rows))
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()
