@@ -2,12 +2,13 @@
 // region a team of its own (the step's thread one, the capture's worker another) and keeps it
 // for the thread's life; once the process manages more OpenMP threads than it has cores it
 // throttles every team's spinning (GOMP_SPINCOUNT's throttled count), and each parallel region
-// then wakes its threads through the kernel. After captured steps, eager steps in the same
-// process ran up to 2x slower (bench/omp_slowdown.py), and the worker's kernels paid it too. So
-// the step's thread lets its team go as a step begins (the worker computes) and the worker lets
-// its own go as the step ends (the step's thread computes again): each makes its team anew
-// where it next runs a parallel region, with the same number of threads as before (the
-// threads' counts stay: a parallel reduction's result depends on it).
+// then wakes its threads through the kernel: eager steps after captured ones, and the worker's
+// kernels, paid for it (bench/omp_slowdown.py). So the step's thread lets its team go as a step
+// begins (the worker computes; at most every 100 ms, capture.cpp) and the worker lets its own
+// go once no step came within its poll after a step's end (the step's thread computes again):
+// each makes its team anew where it next runs a parallel region, with the same number of
+// threads as before (a parallel reduction's result depends on it). Measurements: docs/coexec.md,
+// *One OpenMP team at a time*.
 #pragma once
 
 #include <dlfcn.h>
