@@ -745,19 +745,13 @@ class Worker final : public RoomMaker {
   // 1 of 4 runs of tests/coexec/test_native_budget.py.
   static int64_t guard_cost(const TapeEntry& e) {
     int64_t bytes = 0;
-    std::vector<at::Tensor> ins;  // (in argument order; placeholders' values as the op read them)
-    for (size_t i = 0; i < e.args.size(); ++i) {
-      const uint32_t begin = e.arg_slots[i];
-      const uint32_t end = i + 1 < e.arg_slots.size() ? e.arg_slots[i + 1] : static_cast<uint32_t>(e.slots.size());
-      uint32_t k = begin;  // (an argument with placeholders has a slot per tensor, null for a real one)
-      each_tensor(e.args[i], [&](const at::Tensor& a) {
-        const Slot* s = k < end ? e.slots[k++].get() : nullptr;
-        const at::Tensor& t = s != nullptr ? s->real : a;
+    std::vector<at::Tensor> ins;  // (in argument order; its inputs are all made: it just ran)
+    for (size_t i = 0; i < e.args.size(); ++i)
+      each_tensor(e.real_arg(i), [&](const at::Tensor& t) {
         if (!t.defined()) return;
         bytes += static_cast<int64_t>(t.numel() * t.element_size());
         ins.push_back(t);
       });
-    }
     int64_t out_numel = 0;
     for (const auto& s : e.out_slots)
       if (s && s->real.defined()) {
