@@ -1,7 +1,7 @@
 """Does a captured step slow the process down? Eager steps before and after captured ones, in one process.
 
-    python bench/omp_slowdown.py [--programs zoo:lstm-lm,zoo:mlp,...] [--batch 16] [--eager 30]
-                                 [--captured 20] [--threads 0]
+    python bench/omp_slowdown.py [--programs zoo:lstm-lm,zoo:mlp,...|zoo] [--batch 16] [--eager 30]
+                                 [--captured 20] [--rounds 3] [--threads 0]
 
 Per program, in this one process: ``--eager`` eager steps, ``--captured`` steps under
 ``coexec.GradientTape()`` (the default backend), then ``--eager`` eager steps again. Issue 52
@@ -11,8 +11,12 @@ OpenMP threads than it has cores, and the capture's worker owned a second team. 
 ``before ms`` and ``after ms`` (medians of the eager steps), ``after/before`` (issue 52 asks for
 at most 1.05), ``captured ms`` (median captured step) and ``worker ms`` (the worker's busy time
 per captured step: its kernels, to set beside ``before ms``, eager's kernels and dispatch),
-and the process's threads after the run (``/proc/self/task``). Each program runs in a fresh
-process of its own (its eager steps before any captured step in it).
+and the process's threads after the run (``/proc/self/task``). Each program runs in
+``--rounds`` fresh processes of its own (its eager steps before any captured step in it); a row
+gives the median over the rounds and, for ``after/before``, their range, because this machine's
+step times drift by more than 5% between processes. Each round also runs a control process
+whose middle steps are eager too (``control after/before``): how far eager steps drift within a
+process with no captured step at all.
 """
 
 from __future__ import annotations
@@ -61,13 +65,14 @@ def measure(program: str, args: argparse.Namespace) -> dict:
     for _ in range(args.eager):
         before.append(timed(step, i))
         i += 1
+    middle = tape if args.middle == "captured" else None
     for _ in range(5):  # (the capture meets the ops)
-        timed(step, i, tape)
+        timed(step, i, middle)
         i += 1
     w0 = tape.stats.executor_seconds
     captured = []
     for _ in range(args.captured):
-        captured.append(timed(step, i, tape))
+        captured.append(timed(step, i, middle))
         i += 1
     worker_ms = (tape.stats.executor_seconds - w0) * 1e3 / args.captured
     after = []
@@ -92,6 +97,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--eager", type=int, default=30)
     ap.add_argument("--captured", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--middle", choices=("captured", "eager"), default="captured", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
@@ -103,13 +110,35 @@ def main() -> None:
         print(json.dumps(measure(programs[0], args)))
         return
     rows = []
-    for p in programs:  # (each in a fresh process: "before" is before any captured step)
-        print(f"{p} ...", file=sys.stderr, flush=True)
-        argv = [a for a in sys.argv[1:]]
-        cmd = [sys.executable, __file__, *_without(argv, "--programs"), "--programs", p]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    argv = _without(_without(sys.argv[1:], "--programs"), "--middle")
+    for p in programs:  # (each in fresh processes: "before" is before any captured step)
+        runs: dict[str, list[dict]] = {"captured": [], "eager": []}
+        for r in range(args.rounds):
+            # (the control, eager steps in the middle too, alternated with the captured run: how
+            # much a process's eager steps drift on their own on this machine)
+            for middle in ("captured", "eager") if r % 2 == 0 else ("eager", "captured"):
+                print(f"{p} round {r + 1}/{args.rounds}, {middle} ...", file=sys.stderr, flush=True)
+                cmd = [sys.executable, __file__, *argv, "--programs", p, "--middle", middle]
+                done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                runs[middle].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append(_summary(p, runs["captured"], runs["eager"]))
     print(markdown_table(rows))
+
+
+def _summary(program: str, runs: list[dict], control: list[dict]) -> dict:
+    """One row: the median of each column over the rounds, the range of after/before, and the
+    control's after/before (eager steps in the middle too)."""
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "program"}
+    ratios = sorted(r["after/before"] for r in runs)
+    controls = sorted(r["after/before"] for r in control)
+    return {
+        "program": program,
+        **{k: med[k] for k in ("before ms", "after ms", "after/before")},
+        "after/before range": f"{ratios[0]:.2f}-{ratios[-1]:.2f}",
+        "control after/before": statistics.median(controls),
+        "control range": f"{controls[0]:.2f}-{controls[-1]:.2f}",
+        **{k: med[k] for k in ("captured ms", "worker ms", "threads")},
+    }
 
 
 def _without(argv: list[str], flag: str) -> list[str]:
