@@ -19,7 +19,11 @@ end (the step's values computed), and reports their median.
 Per program and mode the table gives the minimum and the median of the per-process medians
 over the rounds, and their spread ((max - min) / min); ``coexec/eager`` (and the others) is the
 ratio of the minima, the figure issue 52 states its targets in; the geometric mean over the
-programs closes the table. Programs: ``zoo:NAME`` (examples/models, ``ZOO[NAME](batch)``) and
+programs closes the table. For the default backend, from its fastest process: ``skeleton ms``
+(the median step less the step thread's waits for the worker: the Python and the capture's own
+cost) and ``worker ms`` (the worker's time running ops), and ``overlap bound``, the larger of
+the two over eager's minimum: the ratio a step would reach if the two overlapped perfectly and
+never waited for each other, the ceiling with today's per-op costs. Programs: ``zoo:NAME`` (examples/models, ``ZOO[NAME](batch)``) and
 ``example:NAME`` (examples/programs.py, the demo's 14 programs); ``zoo`` and ``examples`` mean
 all of each. Writes the table and the raw per-process figures (JSON) to ``--out``.
 """
@@ -51,6 +55,10 @@ class Child(NamedTuple):
     step_ms: list[float]
     coexec_imported: bool
     phase: str  # (coexec modes: the phase the last step ran in; "" for the others)
+    # (coexec: medians per step of the skeleton's own time, the step less its waits for the
+    # worker, and of the worker's time running ops; 0 for the other modes)
+    skeleton_ms: float = 0.0
+    worker_ms: float = 0.0
 
 
 # -- the child: one program, one mode -------------------------------------------------------
@@ -120,12 +128,19 @@ def child(program: str, mode: str, steps: int, warmup: int, batch: int, threads:
                 break
             run(i)
             i += 1
-    times = []
+    times, skeleton, worker = [], [], []
+    last = tape.stats if mode == "coexec" else None
     for _ in range(steps):
         times.append(run(i) * 1e3)
         i += 1
+        if last is not None:  # (read between steps, outside the timed part)
+            now = tape.stats
+            skeleton.append(times[-1] - (now.stall_seconds - last.stall_seconds) * 1e3)
+            worker.append((now.executor_seconds - last.executor_seconds) * 1e3)
+            last = now
     phase = tape.stats.last_phase if tape is not None else ""
-    return Child(program, mode, statistics.median(times), times, "coexec" in sys.modules, phase)
+    parts = (statistics.median(skeleton), statistics.median(worker)) if skeleton else (0.0, 0.0)
+    return Child(program, mode, statistics.median(times), times, "coexec" in sys.modules, phase, *parts)
 
 
 # -- the parent: rounds of fresh processes ------------------------------------------------
@@ -176,7 +191,7 @@ def expand(programs: str, batch: int) -> list[str]:
 def summarize(children: list[Child], programs: list[str], modes: list[str]) -> tuple[list[dict], dict[str, float]]:
     """A row per program: per mode the min and median of the per-process medians and their
     spread, and each mode's ratio of minima to eager's; the geometric means of the ratios."""
-    rows, ratios = [], {m: [] for m in modes if m != "eager"}
+    rows, ratios, bounds = [], {m: [] for m in modes if m != "eager"}, []
     for p in programs:
         row: dict[str, Any] = {"program": p}
         best = {}
@@ -192,8 +207,16 @@ def summarize(children: list[Child], programs: list[str], modes: list[str]) -> t
             if m in best and "eager" in best:
                 row[f"{m}/eager"] = best[m] / best["eager"]
                 ratios[m].append(best[m] / best["eager"])
+        captured = [c for c in children if c.program == p and c.mode == "coexec" and c.worker_ms > 0]
+        if captured and "eager" in best:
+            fastest = min(captured, key=lambda c: c.median_ms)
+            row["skeleton ms"], row["worker ms"] = fastest.skeleton_ms, fastest.worker_ms
+            row["overlap bound"] = max(fastest.skeleton_ms, fastest.worker_ms) / best["eager"]
+            bounds.append(row["overlap bound"])
         rows.append(row)
     geo = {m: math.exp(statistics.fmean(math.log(r) for r in rs)) for m, rs in ratios.items() if rs}
+    if bounds:
+        geo["overlap bound"] = math.exp(statistics.fmean(math.log(b) for b in bounds))
     return rows, geo
 
 
@@ -202,7 +225,11 @@ def table(rows: list[dict], geo: dict[str, float]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |")
-    lines.append("| geometric mean | " + " | ".join(_cell(geo[c[:-6]]) if c.endswith("/eager") and c[:-6] in geo else "" for c in cols[1:]) + " |")
+    def mean(c: str) -> str:
+        key = c[:-6] if c.endswith("/eager") else c
+        return _cell(geo[key]) if key in geo and (c.endswith("/eager") or c == "overlap bound") else ""
+
+    lines.append("| geometric mean | " + " | ".join(mean(c) for c in cols[1:]) + " |")
     return "\n".join(lines)
 
 

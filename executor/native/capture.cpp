@@ -351,14 +351,13 @@ class Capture {
     return n;
   }
 
-  // ops seen, misses (answered by running them, or by meta kernels where nothing is computed),
-  // ops run at once, nanoseconds in the kernel, ops the tape holds, nanoseconds waiting for the
-  // worker, nanoseconds the worker ran ops, backward() calls answered by a gradient block,
-  // plain backward() calls in all, values dropped, values made again and the time that took
+  // executor/capture.py's CaptureCounters, its fields in its order (times in seconds): read
+  // twice a step, made into the NamedTuple as they are
   py::tuple counters() const {
-    return py::make_tuple(ops_, misses_, run_now_, kernel_ns_, (int64_t)tape_.size(), wait_ns_,
-                          worker_ ? worker_->busy_ns() : int64_t(0), replayed_, backwards_,
-                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load(), shaped_,
+    constexpr double s = 1e-9;
+    return py::make_tuple(ops_, misses_, run_now_, kernel_ns_ * s, (int64_t)tape_.size(), wait_ns_ * s,
+                          worker_ ? worker_->busy_ns() * s : 0.0, replayed_, backwards_,
+                          worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load() * s, shaped_,
                           worker_ ? worker_->evicted() : int64_t(0), worker_ ? worker_->overruns() : int64_t(0),
                           eager_rests_);
   }
