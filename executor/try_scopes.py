@@ -8,7 +8,9 @@ one; a handler that does not catch (a ``with`` statement's exit, a ``finally``, 
 after an ``except`` body) hands the exception on from its own instructions, so the chain is
 followed to the first handler that may catch. A handler may catch unless every class it tests
 is one no op raises (``except KeyboardInterrupt:`` around a training loop keeps its steps on
-the worker). A clause *swallows* where its body can end without raising (it reaches
+the worker, and so does a class of the program's own, ``except LossSpike:`` or
+``except coexec.BudgetTooSmall:``, resolved in the code's globals: an op's error is one of
+Python's or torch's exception classes, and ``except`` matches by the class's real bases). A clause *swallows* where its body can end without raising (it reaches
 POP_EXCEPT): the program goes on after the error, so the Python after a failing op must not
 have run; a clause that logs and re-raises does not. A ``with`` whose context manager
 suppresses errors (``contextlib.suppress``) is not seen as catching.
@@ -16,15 +18,17 @@ suppresses errors (``contextlib.suppress``) is not seen as catching.
 
 from __future__ import annotations
 
+import builtins
 import dis
 import sys
-from collections.abc import Callable
-from types import CodeType
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from types import CodeType, ModuleType
+from typing import Any, NamedTuple
 
 # Exception classes (by builtin name) that no ATen op raises: handlers that test only these
-# cannot catch an op's error. Anything else (Exception, RuntimeError, IndexError, an attribute
-# such as torch.OutOfMemoryError, a name bound at run time) may.
+# cannot catch an op's error. Neither can a class defined outside Python and torch (below,
+# _cannot_be_an_op_error). Anything else (Exception, RuntimeError, IndexError,
+# torch.OutOfMemoryError, a name not bound yet, a local variable) may.
 _NOT_OP_ERRORS = frozenset({
     "KeyboardInterrupt", "SystemExit", "GeneratorExit", "StopIteration", "StopAsyncIteration",
     "KeyError", "AttributeError", "ImportError", "ModuleNotFoundError", "NameError",
@@ -54,8 +58,10 @@ class _Handler(NamedTuple):
 _NONE = _Handler(False, False)
 
 
-def try_scopes(code: CodeType) -> TryScopes:
-    """``code``'s :class:`TryScopes` (empty before Python 3.11: no exception table)."""
+def try_scopes(code: CodeType, namespace: Mapping[str, Any] | None = None) -> TryScopes:
+    """``code``'s :class:`TryScopes` (empty before Python 3.11: no exception table). With
+    ``namespace`` (the globals the code runs in), a clause's class named by a global (or a
+    module's attribute, ``coexec.BudgetTooSmall``) is looked up there."""
     if sys.version_info < (3, 11):
         return TryScopes([], [])
     bytecode = dis.Bytecode(code)
@@ -81,7 +87,7 @@ def try_scopes(code: CodeType) -> TryScopes:
         """What the first handler that may catch, on the chain from ``target``, does."""
         if target in known:
             return known[target]
-        found = _handler(instructions, at, cleanup_of, at.get(target))
+        found = _handler(instructions, at, cleanup_of, at.get(target), namespace)
         if not found.catches and target not in seen:
             outer = entry_at(target)
             found = _NONE if outer is None else reached(outer.target, seen | {target})
@@ -114,6 +120,7 @@ def _handler(
     at: dict[int, int],
     cleanup_of: Callable[[int], int | None],
     i: int | None,
+    namespace: Mapping[str, Any] | None = None,
 ) -> _Handler:
     """What the handler starting at instruction ``i`` does with an op's error. An ``except``
     handler starts with PUSH_EXC_INFO, then pops the exception (a bare ``except:``) or tests it
@@ -136,13 +143,16 @@ def _handler(
             return _Handler(True, swallows or _ends_normally(instructions, cleanup_of, k + 1, None))
         if instructions[k].opname == "RERAISE":  # (no clause matched, or a finally with no body)
             return _Handler(catches, swallows)
-        names: list[str | None] = []
+        # the classes the clause tests, as dotted paths from a global (None: not known so)
+        paths: list[list[str] | None] = []
         while k < n and instructions[k].opname not in ("CHECK_EXC_MATCH", "CHECK_EG_MATCH"):
             ins = instructions[k]
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-                names.append(ins.argval)
+                paths.append([ins.argval])
+            elif ins.opname == "LOAD_ATTR" and paths and paths[-1] is not None:
+                paths[-1].append(ins.argval)
             elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_FAST", "LOAD_DEREF", "CALL"):
-                names.append(None)  # (a class not known by its builtin name)
+                paths.append(None)  # (a class not known by its builtin name)
             elif ins.opname in ("RERAISE", "POP_EXCEPT", "RETURN_VALUE", "JUMP_FORWARD", "JUMP_BACKWARD"):
                 # (before any test: a finally's body, which re-raises)
                 return _Handler(catches, swallows) if clauses else _NONE
@@ -153,11 +163,52 @@ def _handler(
         jump = instructions[k + 1]
         if "IF_FALSE" not in jump.opname or jump.argval not in at:
             return _Handler(True, True)
-        if not names or any(name not in _NOT_OP_ERRORS for name in names):
+        if not paths or not all(_cannot_catch(p, namespace) for p in paths):
             catches = True
             swallows = swallows or _ends_normally(instructions, cleanup_of, k + 2, jump.argval)
         k = at[jump.argval]
     return _Handler(True, True)
+
+
+def _cannot_catch(path: list[str] | None, namespace: Mapping[str, Any] | None) -> bool:
+    """Is the class at ``path`` (``["KeyError"]``, ``["coexec", "BudgetTooSmall"]``) one that no
+    op's error is an instance of?"""
+    if path is None:
+        return False
+    if len(path) == 1 and path[0] in _NOT_OP_ERRORS:
+        return True
+    if namespace is None:
+        return False
+    found = _looked_up(path, namespace)
+    return found is not None and _cannot_be_an_op_error(found)
+
+
+def _looked_up(path: list[str], namespace: Mapping[str, Any]) -> object | None:
+    """What ``path`` names in ``namespace`` (then the builtins), through module attributes only,
+    read from the modules' dicts (no code runs); None where it is not bound (yet)."""
+    head, *rest = path
+    if head in namespace:
+        found = namespace[head]
+    else:
+        found = vars(builtins).get(head)
+    for name in rest:
+        if not isinstance(found, ModuleType):
+            return None
+        found = vars(found).get(name)
+    return found
+
+
+def _cannot_be_an_op_error(cls: object) -> bool:
+    """An op's error is an instance of one of Python's exception classes or of a subclass torch
+    defines, so ``except cls`` catches one only if ``cls`` is among their bases: Python's or
+    torch's own (``except`` matches by the real bases, never ``__subclasscheck__``). A class
+    defined anywhere else cannot be."""
+    if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+        return False
+    if vars(builtins).get(cls.__name__) is cls:  # (Python's own)
+        return False
+    module = getattr(cls, "__module__", None) or ""
+    return module != "torch" and not module.startswith("torch.")
 
 
 def _ends_normally(

@@ -176,11 +176,57 @@ def test_ops_in_a_handled_try_run_at_once_and_others_on_the_worker() -> None:
     assert tape.stats.native_ops < plain
 
 
-def _scopes_of(source: str) -> tuple[bool, bool]:
+def _scopes_of(source: str, resolve: bool = False) -> tuple[bool, bool]:
     namespace: dict = {}
     exec(compile(source, "<spans>", "exec"), namespace)  # noqa: S102 (the test's own source)
-    scopes = try_scopes(namespace["f"].__code__)
+    scopes = try_scopes(namespace["f"].__code__, namespace if resolve else None)
     return bool(scopes.catching), bool(scopes.swallowing)
+
+
+class _LossSpike(Exception):
+    """A program's own exception: no op raises it."""
+
+
+@pytest.mark.parametrize(
+    ("source", "catches"),
+    [
+        ("class Spike(Exception): pass\ndef f(x):\n try:\n  x = x + 1\n except Spike:\n  pass\n return x", False),
+        # (a subclass of RuntimeError of the program's own: an op raises RuntimeError, not it)
+        ("class Spike(RuntimeError): pass\ndef f(x):\n try:\n  x = x + 1\n except Spike:\n  pass\n return x", False),
+        ("import coexec\ndef f(x):\n try:\n  x = x + 1\n except coexec.BudgetTooSmall:\n  pass\n return x", False),
+        ("class Spike(Exception): pass\ndef f(x):\n try:\n  x = x + 1\n except (Spike, KeyError):\n  pass\n return x", False),
+        ("class Spike(Exception): pass\ndef f(x):\n try:\n  x = x + 1\n except (Spike, IndexError):\n  pass\n return x", True),
+        ("import torch\ndef f(x):\n try:\n  x = x + 1\n except torch.OutOfMemoryError:\n  pass\n return x", True),
+        ("def f(x):\n try:\n  x = x + 1\n except RuntimeError:\n  pass\n return x", True),
+        ("def f(x):\n try:\n  x = x + 1\n except NotDefinedYet:\n  pass\n return x", True),
+        ("Spike = RuntimeError\ndef f(x):\n try:\n  x = x + 1\n except Spike:\n  pass\n return x", True),
+        ("def f(x, e):\n try:\n  x = x + 1\n except e:\n  pass\n return x", True),
+    ],
+)
+def test_a_class_of_the_programs_own_cannot_catch_an_ops_error(source: str, catches: bool) -> None:
+    assert _scopes_of(source, resolve=True) == (catches, catches)
+    assert _scopes_of(source, resolve=False) == (True, True)  # (not looked up: it may)
+
+
+def test_ops_in_a_try_for_the_programs_own_exception_stay_on_the_worker() -> None:
+    """``examples/programs.py``'s try_except: ``try: check(loss); loss.backward() except
+    LossSpike:`` ran its backward at once, through the autograd engine; no op raises a class of
+    the program's own, so its ops stay on the worker (and its backward is a gradient block)."""
+    table = nn.Embedding(10, 4)
+    tape = coexec.GradientTape()
+    for _ in range(3):
+        with tape:
+            a = table(torch.tensor([1, 2])).sum()
+            a.item()
+    plain = tape.stats.native_ops
+    for _ in range(3):
+        with tape:
+            try:
+                a = table(torch.tensor([1, 2])).sum()
+            except _LossSpike:
+                pass
+            a.item()
+    assert tape.stats.native_ops == plain
 
 
 @pytest.mark.parametrize(
