@@ -10,9 +10,10 @@ followed to the first handler that may catch. A handler may catch unless every c
 is one no op raises (``except KeyboardInterrupt:`` around a training loop keeps its steps on
 the worker, and so does a class of the program's own, ``except LossSpike:`` or
 ``except coexec.BudgetTooSmall:``, resolved in the code's globals: an op's error is one of
-Python's or torch's exception classes, and ``except`` matches by the class's real bases). A clause *swallows* where its body can end without raising (it reaches
-POP_EXCEPT): the program goes on after the error, so the Python after a failing op must not
-have run; a clause that logs and re-raises does not. A ``with`` whose context manager
+Python's or torch's exception classes, and ``except`` matches by the class's real bases). A
+clause *swallows* where its body can end without raising (it reaches POP_EXCEPT): the program
+goes on after the error, so the Python after a failing op must not have run; a clause that
+logs and re-raises does not. A ``with`` whose context manager
 suppresses errors (``contextlib.suppress``) is not seen as catching.
 """
 
