@@ -1,6 +1,6 @@
 """Step time per mode, each mode in a fresh process of its own: the one fair speed comparison.
 
-    python bench/fair_speed.py [--programs zoo,examples | zoo:mlp,example:static_mlp,...]
+    python bench/fair_speed.py [--programs zoo,examples,dynamic | zoo:mlp,example:static_mlp,...]
                                [--modes eager,coexec,compile,interpret] [--rounds 5]
                                [--steps 20] [--warmup 8] [--batch 16] [--threads 0]
                                [--out bench/out]
@@ -23,9 +23,13 @@ programs closes the table. For the default backend, from its fastest process: ``
 (the median step less the step thread's waits for the worker: the Python and the capture's own
 cost) and ``worker ms`` (the worker's time running ops), and ``overlap bound``, the larger of
 the two over eager's minimum: the ratio a step would reach if the two overlapped perfectly and
-never waited for each other, the ceiling with today's per-op costs. Programs: ``zoo:NAME`` (examples/models, ``ZOO[NAME](batch)``) and
-``example:NAME`` (examples/programs.py, the demo's 14 programs); ``zoo`` and ``examples`` mean
-all of each. Writes the table and the raw per-process figures (JSON) to ``--out``.
+never waited for each other, the ceiling with today's per-op costs.
+
+Programs: ``zoo:NAME`` (examples/models, ``ZOO[NAME](batch)``), ``example:NAME``
+(examples/programs.py, the demo's 14 programs) and ``dynamic:NAME``
+(examples/dynamic_programs.py: sizes drawn per step, the same sequence in every mode); ``zoo``,
+``examples`` and ``dynamic`` mean all of each. Writes the table and the raw per-process
+figures (JSON) to ``--out``.
 """
 
 from __future__ import annotations
@@ -78,7 +82,12 @@ def _build(program: str, batch: int) -> tuple[Any, Any]:
 
         p = BY_NAME[name](0)
         return p, p.step
-    raise SystemExit(f"fair_speed: unknown program {program!r} (zoo:NAME or example:NAME)")
+    if kind == "dynamic":
+        from examples.dynamic_programs import DYNAMIC_BY_NAME
+
+        p = DYNAMIC_BY_NAME[name](0)
+        return p, p.step
+    raise SystemExit(f"fair_speed: unknown program {program!r} (zoo:NAME, example:NAME or dynamic:NAME)")
 
 
 def _compile_modules(obj: Any) -> None:
@@ -170,6 +179,10 @@ def expand(programs: str, batch: int) -> list[str]:
             from examples.programs import PROGRAMS
 
             out += [f"example:{c.name}" for c in PROGRAMS]
+        elif p == "dynamic":
+            from examples.dynamic_programs import DYNAMIC_PROGRAMS
+
+            out += [f"dynamic:{c.name}" for c in DYNAMIC_PROGRAMS]
         else:
             kind, _, name = p.partition(":")
             if kind == "zoo":
@@ -180,8 +193,14 @@ def expand(programs: str, batch: int) -> list[str]:
                 from examples.programs import BY_NAME
 
                 known = list(BY_NAME)
+            elif kind == "dynamic":
+                from examples.dynamic_programs import DYNAMIC_BY_NAME
+
+                known = list(DYNAMIC_BY_NAME)
             else:
-                raise SystemExit(f"fair_speed: unknown program {p!r} (zoo, examples, zoo:NAME or example:NAME)")
+                raise SystemExit(
+                    f"fair_speed: unknown program {p!r} (zoo, examples, dynamic, zoo:NAME, example:NAME or dynamic:NAME)"
+                )
             if name not in known:
                 raise SystemExit(f"fair_speed: no {kind} program {name!r} (one of {', '.join(known)})")
             out.append(p)
