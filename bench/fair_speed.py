@@ -91,11 +91,16 @@ def _build(program: str, batch: int) -> tuple[Any, Any]:
 
 
 def _compile_modules(obj: Any) -> None:
-    """Each ``nn.Module`` attribute of ``obj`` (the program's models) replaced by its compiled self."""
+    """Each ``nn.Module`` attribute of ``obj`` (the program's models) replaced by its compiled
+    self; a ``ModuleList`` or ``ModuleDict``, which the program iterates or indexes, has its
+    entries compiled instead (a compiled container is neither)."""
     import torch
 
     for key, value in list(vars(obj).items()):
-        if isinstance(value, torch.nn.Module):
+        if isinstance(value, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            for name, sub in list(value.named_children()):
+                value[int(name) if isinstance(value, torch.nn.ModuleList) else name] = torch.compile(sub)
+        elif isinstance(value, torch.nn.Module):
             setattr(obj, key, torch.compile(value))
 
 
