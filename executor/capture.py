@@ -288,7 +288,6 @@ class _Waiting:
     def __init__(self) -> None:
         self.capture = None  # the native capture whose step runs
         self.thread = 0
-        self.swaps: list[tuple[object, str, object, object]] = []  # owner, name, original, wrapper
         self.stand_ins: dict[torch.dtype, torch.Tensor] = {}  # (stand_in_of)
         self.dynamo: tuple | None = None  # eval_frame, its original, the wrapper (_hook_dynamo)
         for name in _DATA_ACCESS:
@@ -297,24 +296,18 @@ class _Waiting:
         for name in _STAND_IN:
             original = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, _StepMethod(original, self._stand_in(original), self))
+        # per module, the swapped names' wrappers and originals: put in and taken back with one
+        # dict update per module (11 setattrs twice a step cost ~2 us of a 0.15 ms step)
+        wrappers: dict[object, dict[str, Callable]] = {torch: {}, torch.random: {}, torch.autograd: {}}
         for owner in (torch, torch.random):
             for name in _RANDOM:
-                original = getattr(owner, name)
-                self.swaps.append((owner, name, original, self._wrap(original, False)))
-        original = torch.autograd.backward
-        self.swaps.append((torch.autograd, "backward", original, self._backward(original)))
-        original = torch.autograd.grad
-        self.swaps.append((torch.autograd, "grad", original, self._grad(original)))
-        original = torch.compile  # (torch.compile called in a step imports Dynamo: hooked at once)
-        self.swaps.append((torch, "compile", original, self._compile(original)))
-        # per module, its names' wrappers and originals: put in and back with one dict update
-        # each (11 setattrs twice a step cost ~2 us of a 0.15 ms step)
-        self.wrappers: list[tuple[dict, dict]] = []
-        self.originals: list[tuple[dict, dict]] = []
-        for owner in dict.fromkeys(o for o, *_ in self.swaps):
-            mine = [(n, orig, wrap) for o, n, orig, wrap in self.swaps if o is owner]
-            self.wrappers.append((vars(owner), {n: w for n, _, w in mine}))
-            self.originals.append((vars(owner), {n: orig for n, orig, _ in mine}))
+                wrappers[owner][name] = self._wrap(getattr(owner, name), False)
+        wrappers[torch.autograd]["backward"] = self._backward(torch.autograd.backward)
+        wrappers[torch.autograd]["grad"] = self._grad(torch.autograd.grad)
+        # (torch.compile called in a step imports Dynamo: hooked at once)
+        wrappers[torch]["compile"] = self._compile(torch.compile)
+        self.wrappers = [(vars(owner), w) for owner, w in wrappers.items()]
+        self.originals = [(vars(owner), {n: getattr(owner, n) for n in w}) for owner, w in wrappers.items()]
 
     def _wrap(self, original: Callable, realize_first: bool) -> Callable:
         @functools.wraps(original)

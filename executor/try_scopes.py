@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from types import CodeType, ModuleType
 from typing import Any, NamedTuple
 
-# Exception classes (by builtin name) that no ATen op raises: handlers that test only these
-# cannot catch an op's error. Neither can a class defined outside Python and torch (below,
+# Python's exception classes (by builtin name; looked up where the code's globals are known)
+# that no ATen op raises: handlers that test only these cannot catch an op's error. Neither can a class defined outside Python and torch (below,
 # _cannot_be_an_op_error). Anything else (Exception, RuntimeError, IndexError,
 # torch.OutOfMemoryError, a name not bound yet, a local variable) may.
 _NOT_OP_ERRORS = frozenset({
@@ -176,10 +176,8 @@ def _cannot_catch(path: list[str] | None, namespace: Mapping[str, Any] | None) -
     op's error is an instance of?"""
     if path is None:
         return False
-    if len(path) == 1 and path[0] in _NOT_OP_ERRORS:
-        return True
-    if namespace is None:
-        return False
+    if namespace is None:  # (by builtin name only)
+        return len(path) == 1 and path[0] in _NOT_OP_ERRORS
     found = _looked_up(path, namespace)
     return found is not None and _cannot_be_an_op_error(found)
 
@@ -202,12 +200,12 @@ def _looked_up(path: list[str], namespace: Mapping[str, Any]) -> object | None:
 def _cannot_be_an_op_error(cls: object) -> bool:
     """An op's error is an instance of one of Python's exception classes or of a subclass torch
     defines, so ``except cls`` catches one only if ``cls`` is among their bases: Python's or
-    torch's own (``except`` matches by the real bases, never ``__subclasscheck__``). A class
-    defined anywhere else cannot be."""
+    torch's own (``except`` matches by the real bases, never ``__subclasscheck__``), and of
+    Python's, those in ``_NOT_OP_ERRORS`` no op raises. A class defined anywhere else cannot be."""
     if not (isinstance(cls, type) and issubclass(cls, BaseException)):
         return False
     if vars(builtins).get(cls.__name__) is cls:  # (Python's own)
-        return False
+        return cls.__name__ in _NOT_OP_ERRORS
     module = getattr(cls, "__module__", None) or ""
     return module != "torch" and not module.startswith("torch.")
 

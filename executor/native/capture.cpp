@@ -720,9 +720,10 @@ class Capture {
 
   // What is known of `code`: torch's or coexec's (not the user's), and where a try of it may
   // catch an op's error. It is held from now on; the GIL is taken for a code object not seen before.
-  // `globals`: the namespace the code runs in (borrowed; may be null), where try_scopes looks up
-  // the classes an ``except`` names.
-  const CodeFacts& facts(PyCodeObject* code, PyObject* globals, std::optional<py::gil_scoped_acquire>& gil) {
+  // `globals_of()`: the namespace the code runs in (called with the GIL, only for a code object
+  // not seen before), where try_scopes looks up the classes an ``except`` names.
+  template <class Globals>
+  const CodeFacts& facts(PyCodeObject* code, const Globals& globals_of, std::optional<py::gil_scoped_acquire>& gil) {
     // (a direct-mapped cache in front of the map: locate asks 3-8 times an op)
     auto& hot = hot_codes_[(reinterpret_cast<uintptr_t>(code) >> 4) % kHotCodes];
     if (hot.first == code) return *hot.second;
@@ -739,8 +740,7 @@ class Capture {
       };
       f.internal = under(internal_);
       if (!f.internal && !under(libraries_) && catching_) {
-        const py::object space = globals != nullptr ? py::reinterpret_borrow<py::object>(globals) : py::none();
-        const py::tuple scopes = catching_(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(code)), space);
+        const py::tuple scopes = catching_(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(code)), globals_of());
         for (const auto& span : scopes[0]) f.catching.emplace_back(span.cast<std::pair<int, int>>());
         for (const auto& span : scopes[1]) f.swallowing.emplace_back(span.cast<std::pair<int, int>>());
       }
@@ -756,7 +756,8 @@ class Capture {
     return false;
   }
 
-  // Calls `visit(frame, code, lasti, globals)` for this thread's Python frames, innermost first, until it
+  // Calls `visit(frame, code, lasti, globals_of)` for this thread's Python frames, innermost
+  // first (`globals_of()`: the frame's globals, or None; with the GIL), until it
   // returns true or `depth` frames were seen: on CPython 3.11 through its interpreter frames,
   // without the GIL (this thread's own, which only this thread changes); elsewhere through frame
   // objects, with it.
@@ -768,7 +769,9 @@ class Capture {
     for (int d = 0; f != nullptr && d < depth; f = f->previous, ++d)
       if (!_PyFrame_IsIncomplete(f) &&
           visit(static_cast<const void*>(f), f->f_code,
-                _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT)), f->f_globals))
+                _PyInterpreterFrame_LASTI(f) * static_cast<int>(sizeof(_Py_CODEUNIT)), [f] {
+                  return f->f_globals != nullptr ? py::reinterpret_borrow<py::object>(f->f_globals) : py::none();
+                }))
         return;
 #else
     if (!gil) gil.emplace();
@@ -776,13 +779,14 @@ class Capture {
     Py_XINCREF(f);
     for (int d = 0; f != nullptr && d < depth; ++d) {
       PyCodeObject* code = PyFrame_GetCode(f);  // (a new reference: facts() holds its own)
+      const auto globals_of = [f]() -> py::object {
 #if PY_VERSION_HEX >= 0x030B0000
-      PyObject* globals = PyFrame_GetGlobals(f);  // (a new reference)
+        return py::reinterpret_steal<py::object>(PyFrame_GetGlobals(f));
 #else
-      PyObject* globals = nullptr;  // (no exception table before 3.11: try_scopes finds nothing)
+        return py::none();  // (no exception table before 3.11: try_scopes finds nothing)
 #endif
-      const bool stop = visit(static_cast<const void*>(f), code, PyFrame_GetLasti(f), globals);
-      Py_XDECREF(globals);
+      };
+      const bool stop = visit(static_cast<const void*>(f), code, PyFrame_GetLasti(f), globals_of);
       Py_DECREF(code);
       if (stop) break;
       PyFrameObject* back = PyFrame_GetBack(f);  // (a new reference)
@@ -802,8 +806,8 @@ class Capture {
     step_frame_ = nullptr;
     outer_try_ = false;
     std::optional<py::gil_scoped_acquire> gil;
-    each_frame(kOuterDepth, gil, [&](const void* frame, PyCodeObject* code, int lasti, PyObject* globals) {
-      const CodeFacts& c = facts(code, globals, gil);
+    each_frame(kOuterDepth, gil, [&](const void* frame, PyCodeObject* code, int lasti, const auto& globals_of) {
+      const CodeFacts& c = facts(code, globals_of, gil);
       if (c.internal) return false;
       if (step_frame_ == nullptr) {
         step_frame_ = frame;
@@ -845,8 +849,8 @@ class Capture {
   // frame outside torch and coexec), and whether a user frame from there to the step's ``with``
   // calls it inside a try that may catch its error (Place::in_try).
   void walk(Place& place, std::optional<py::gil_scoped_acquire>& gil) {
-    each_frame(kUserDepth, gil, [&](const void* frame, PyCodeObject* code, int lasti, PyObject* globals) {
-      const CodeFacts& c = facts(code, globals, gil);
+    each_frame(kUserDepth, gil, [&](const void* frame, PyCodeObject* code, int lasti, const auto& globals_of) {
+      const CodeFacts& c = facts(code, globals_of, gil);
       if (place.code == nullptr) {
         place.code = code;
         place.lasti = lasti;
