@@ -1,14 +1,16 @@
 """Step time per mode, each mode in a fresh process of its own: the one fair speed comparison.
 
     python bench/fair_speed.py [--programs zoo,examples,dynamic | zoo:mlp,example:static_mlp,...]
-                               [--modes eager,coexec,compile,interpret] [--rounds 5]
+                               [--modes eager,eager-malloc,coexec,compile,interpret] [--rounds 5]
                                [--steps 20] [--warmup 8] [--batch 16] [--threads 0]
                                [--out bench/out]
 
 Every (program, mode) runs in its own ``python bench/fair_speed.py --child ...`` process: eager
 with coexec never imported (the child checks ``sys.modules`` and says so in its result), coexec
 (``GradientTape()``, the default backend), ``interpret`` (``GradientTape(backend="interpret")``)
-and ``compile`` (each ``nn.Module`` attribute of the program ``torch.compile``d). In one process
+``compile`` (each ``nn.Module`` attribute of the program ``torch.compile``d) and ``eager-malloc``
+(eager, coexec not imported, with glibc's malloc thresholds set as a tape sets them, by the
+environment: coexec/host_memory.py; how much of coexec's figure is that policy). In one process
 the modes disturb each other: after captured steps, eager steps in the same process ran up to
 2x slower (issue 52), so pairing in one process is for bit-equality only (DESIGN.md §6). The
 modes are alternated: each round runs every mode once per program, in an order rotated from
@@ -47,7 +49,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("eager", "coexec", "interpret", "compile")
+MODES = ("eager", "eager-malloc", "coexec", "interpret", "compile")
 
 
 class Child(NamedTuple):
@@ -122,7 +124,7 @@ def child(program: str, mode: str, steps: int, warmup: int, batch: int, threads:
         tape = coexec.GradientTape() if mode == "coexec" else coexec.GradientTape(backend="interpret")
     elif mode == "compile":
         _compile_modules(obj)
-    elif mode != "eager":
+    elif mode not in ("eager", "eager-malloc"):
         raise SystemExit(f"fair_speed: unknown mode {mode!r} (one of {', '.join(MODES)})")
 
     def run(i: int) -> float:
@@ -166,7 +168,12 @@ def run_child(program: str, mode: str, args: argparse.Namespace) -> Child:
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
         "--threads", str(args.threads),
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if mode == "eager-malloc":
+        from coexec.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD  # (the parent's import)
+
+        env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"fair_speed: {program} {mode} failed:\n{done.stderr[-3000:]}")
     return Child(**json.loads(done.stdout.strip().splitlines()[-1]))
@@ -292,7 +299,7 @@ def main() -> None:
             for m in order:
                 n += 1
                 c = run_child(p, m, args)
-                if m == "eager" and c.coexec_imported:
+                if m.startswith("eager") and c.coexec_imported:
                     raise RuntimeError(f"fair_speed: the eager child of {p} imported coexec")
                 if m in ("coexec", "interpret") and c.phase != "coexec":
                     print(f"  note: {p} {m} round {r}: its last step ran in phase {c.phase!r}", file=sys.stderr)

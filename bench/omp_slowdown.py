@@ -7,9 +7,14 @@ Per program, in this one process: ``--eager`` eager steps, ``--captured`` steps 
 ``coexec.GradientTape()`` (the default backend), then ``--eager`` eager steps again. Issue 52
 found eager steps after captured ones up to 2x slower (the LSTM LM: 24-38 ms before, 52-66 ms
 after): libgomp throttles the spinning of every OpenMP team once the process manages more
-OpenMP threads than it has cores, and the capture's worker owned a second team. Columns:
-``before ms`` and ``after ms`` (medians of the eager steps), ``after/before`` (issue 52 asks for
-at most 1.05), ``captured ms`` (median captured step) and ``worker ms`` (the worker's busy time
+OpenMP threads than it has cores, and the capture's worker owned a second team; a second cause
+was glibc's malloc handing freed memory back to the OS by rules whose outcome depends on the
+heap's layout, which captured steps change: eager steps after them faulted in up to twice the
+pages (ResNet-18: 5-6k minor faults a step before, 13k after), until a tape fixed the thresholds
+(coexec/host_memory.py; the tape here is made before the first step). Columns: ``before ms`` and
+``after ms`` (medians of the eager steps), ``after/before`` (issue 52 asks for at most 1.05),
+``faults before`` and ``faults after`` (the process's minor page faults per eager step),
+``captured ms`` (median captured step) and ``worker ms`` (the worker's busy time
 per captured step: its kernels, to set beside ``before ms``, eager's kernels and dispatch),
 and the process's threads after the run (``/proc/self/task``). Each program runs in
 ``--rounds`` fresh processes of its own (its eager steps before any captured step in it); a row
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +47,11 @@ import coexec  # noqa: E402
 from common import markdown_table  # noqa: E402
 from executor import native  # noqa: E402
 from fair_speed import _build, expand  # noqa: E402
+
+
+def faults() -> int:
+    """The process's minor page faults so far (every thread's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def timed(step, i: int, tape=None) -> float:
@@ -61,10 +72,11 @@ def measure(program: str, args: argparse.Namespace) -> dict:
     for _ in range(5):  # (warm-up, eager)
         timed(step, i)
         i += 1
-    before = []
+    before, f0 = [], faults()
     for _ in range(args.eager):
         before.append(timed(step, i))
         i += 1
+    faults_before = (faults() - f0) / args.eager
     middle = tape if args.middle == "captured" else None
     for _ in range(5):  # (the capture meets the ops)
         timed(step, i, middle)
@@ -75,16 +87,19 @@ def measure(program: str, args: argparse.Namespace) -> dict:
         captured.append(timed(step, i, middle))
         i += 1
     worker_ms = (tape.stats.executor_seconds - w0) * 1e3 / args.captured
-    after = []
+    after, f0 = [], faults()
     for _ in range(args.eager):
         after.append(timed(step, i))
         i += 1
+    faults_after = (faults() - f0) / args.eager
     b, a = statistics.median(before), statistics.median(after)
     return {
         "program": program,
         "before ms": b,
         "after ms": a,
         "after/before": a / b,
+        "faults before": faults_before,
+        "faults after": faults_after,
         "captured ms": statistics.median(captured),
         "worker ms": worker_ms,
         "threads": len(os.listdir("/proc/self/task")),
@@ -137,7 +152,7 @@ def _summary(program: str, runs: list[dict], control: list[dict]) -> dict:
         "after/before range": f"{ratios[0]:.2f}-{ratios[-1]:.2f}",
         "control after/before": statistics.median(controls),
         "control range": f"{controls[0]:.2f}-{controls[-1]:.2f}",
-        **{k: med[k] for k in ("captured ms", "worker ms", "threads")},
+        **{k: med[k] for k in ("faults before", "faults after", "captured ms", "worker ms", "threads")},
     }
 
 

@@ -35,6 +35,7 @@ from tracegraph.location import CODES
 from tracegraph.reasons import FallbackReason, why_new
 
 from . import collector, observe, programs, runtime
+from .host_memory import keep_freed_host_memory
 from .arena import iterations, sites, writable_ops
 from .blocks import BlockIndex
 from .causes import max_traces_message
@@ -474,6 +475,7 @@ class GradientTape:
         self._program: Program | None = None
         self._step: _Step | _NativeStep | None = None
         self._native_last: tuple[Any, Program] | None = None  # (key, program) of the last native step
+        keep_freed_host_memory()  # (freed CPU memory stays for the next step: coexec/host_memory.py)
 
     # -- context manager ------------------------------------------------------------------
     def __enter__(self) -> "GradientTape":
