@@ -90,6 +90,7 @@ class CaptureCounters(NamedTuple):
     evicted: int  # values a budget's guard dropped (:meth:`Capture.guard`)
     overruns: int  # ops before which it could not drop enough to stay within its cap
     eager_rests: int  # steps that called a ``torch.compile``d region: eager from it to their end
+    ran_ahead: int  # ops on small real tensors run on the step's thread without waiting (Adam's step count)
 
 
 class Capture:

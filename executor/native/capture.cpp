@@ -57,6 +57,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <unordered_set>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -163,6 +164,8 @@ constexpr int64_t kTimedEvery = 8;  // the kernel's time is sampled (a clock rea
 constexpr int kBlocksPerSite = 16;  // made at a backward() line and not used, before making slows
 constexpr int kMaxWait = 1024;       // backward() calls there between tries, at the slowest
 constexpr int64_t kMaxBlocks = 4096;  // kept in all
+constexpr int64_t kAheadBytes = 64;  // the largest storage an op runs ahead of the worker on (Capture::runs_ahead)
+constexpr uint64_t kAheadSalt = 0xA4EAD;  // (a path tells an op run ahead from the same op queued)
 constexpr int64_t kConstElements = 4096;  // the largest tensor made outside the dispatcher kept
 const bool g_debug = std::getenv("COEXEC_CAPTURE_DEBUG") != nullptr;  // each op to stderr (read once)
 
@@ -230,6 +233,7 @@ class Capture {
     eager_rest_ = false;
     path_.clear();
     path_hash_ = 0;
+    queued_small_.clear();
     first_value_ = next_value_;
     step_nodes_ = StepNodes::from_now();
     find_step_frame();
@@ -359,7 +363,7 @@ class Capture {
                           worker_ ? worker_->busy_ns() * s : 0.0, replayed_, backwards_,
                           worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load() * s, shaped_,
                           worker_ ? worker_->evicted() : int64_t(0), worker_ ? worker_->overruns() : int64_t(0),
-                          eager_rests_);
+                          eager_rests_, ahead_);
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -481,6 +485,9 @@ class Capture {
   int paused_ = 0;
   bool eager_rest_ = false;  // (run_rest_eagerly)
   int64_t eager_rests_ = 0;  // steps that ran their rest eagerly
+  int64_t ahead_ = 0;  // ops run ahead of the worker on this thread (runs_ahead)
+  // the small real storages an op queued in this step reads or writes (runs_ahead)
+  std::unordered_set<const c10::StorageImpl*> queued_small_;
   c10::DispatchKeySet included_before_;
   // per key, the variants seen (sizes that come back: a last batch, lengths drawn from a
   // range), the latest last; at most kVariants, the oldest dropped first
@@ -914,6 +921,47 @@ class Capture {
                torch::jit::Stack* stack);
   void run_at_once(const c10::OperatorHandle& op, Args args, torch::jit::Stack* stack);
 
+  static const c10::StorageImpl* small_storage(const at::Tensor& t) {
+    if (!t.defined() || is_ph(t) || !t.has_storage()) return nullptr;
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    return static_cast<int64_t>(s->nbytes()) <= kAheadBytes ? s : nullptr;
+  }
+
+  // A queued op reads or writes `t`: an op on its storage no longer runs ahead in this step.
+  void note_queued(const at::Tensor& t) {
+    if (const c10::StorageImpl* s = small_storage(t)) queued_small_.insert(s);
+  }
+
+  // Does the op run ahead: at once on this thread, without waiting for the worker? An op on
+  // small real tensors only (at most kAheadBytes each: an optimizer's step count, a scalar's
+  // bookkeeping), none requiring grad, none whose storage an op queued in this step reads or
+  // writes, making only small tensors, drawing from no generator: no queued op can see its
+  // effect or change its inputs, so running it now is eager's order on every storage it
+  // touches. Adam's ``step_t += 1`` and ``step_t.item()`` per parameter waited for the whole
+  // backward before each (issue 52). Not under a memory plan or a budget (their places count
+  // the ops queued), nor while a step is described or a backward recorded.
+  bool runs_ahead(const c10::OperatorHandle& op, const Entry& e, Args args, bool in_try) {
+    if (!worker_ || mode_ != Mode::kAsync || in_try || recording_ || describing_ || drops_ != nullptr || cap_ > 0)
+      return false;
+    bool any = false, small = true;  // (most ops read a placeholder: refused here, first)
+    for (const c10::IValue& a : args)
+      each_tensor(a, [&](const at::Tensor& t) {
+        if (!small || !t.defined()) return;
+        any = true;
+        const c10::StorageImpl* s = small_storage(t);
+        small = s != nullptr && t.is_cpu() && !t.requires_grad() && queued_small_.count(s) == 0;
+      });
+    if (!any || !small) return false;
+    for (const OutMeta& m : e.outputs)
+      for (const TensorMeta& t : m.tensors) {
+        int64_t n = 1;
+        for (const int64_t d : t.sizes) n *= d;
+        if (t.dtype != c10::ScalarType::Undefined && n * static_cast<int64_t>(c10::elementSize(t.dtype)) > kAheadBytes)
+          return false;
+      }
+    return !op.hasTag(at::Tag::nondeterministic_seeded) && !is_collective(op) && !python_kernel(op);
+  }
+
  public:
   // An op on sparse tensors: run at once on the values (no placeholder is sparse); a step with
   // one has a path no block follows, and a backward with one makes no block.
@@ -1311,7 +1359,10 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
       const auto [rb, re] = o.refs_of(i);
       e.arg_slots.push_back(static_cast<uint32_t>(e.slots.size()));
       bool real = false;
-      for (uint32_t k = rb; k < re; ++k) real = real || (!got[g0 + k].slot && got[g0 + k].t.defined());
+      for (uint32_t k = rb; k < re; ++k) {
+        real = real || (!got[g0 + k].slot && got[g0 + k].t.defined());
+        if (!got[g0 + k].slot) note_queued(got[g0 + k].t);
+      }
       if (!real) {
         e.args.push_back(o.args[i]);
       } else {
@@ -1423,6 +1474,13 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     cached = shape(op, key, args);
     shaped = cached != nullptr;
   }
+  if (cached != nullptr && !shaped && runs_ahead(op, *cached, args, in_try) && !changes_written(*cached, args)) {
+    ++ahead_;
+    if (g_debug) std::cerr << "coexec capture: (runs ahead) " << schema.name() << "." << schema.overload_name() << std::endl;
+    extend_path(mix(d, cached->id ^ kAheadSalt));
+    run_on_values(op, args, stack, included_before_);
+    return;
+  }
   if (mode_ == Mode::kAsync && (in_try || cached == nullptr || cached->run_now || changes_written(*cached, args))) {
     if (cached == nullptr) {
       ++misses_;
@@ -1483,6 +1541,8 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (cap_ > 0) entry.made_bytes = made_bytes(schema, cached->written, cached->outputs);
   entry.forward = forward_;
+  if (worker_)
+    for (const c10::IValue& a : args) each_tensor(a, [this](const at::Tensor& t) { note_queued(t); });
   // (moved, after the outputs took the written ones: a copy and a destroy an argument less)
   for (c10::IValue& a : args) entry.add_arg(std::move(a));
   if (worker_) {

@@ -167,10 +167,15 @@ def test_replay_mode_tapes_every_op() -> None:
     assert all(torch.equal(a, b) for a, b in zip(want_state, tensors_of(vars(state))))
 
 
-@pytest.mark.parametrize(("name", "waits"), [("mlp", 0), ("cnn", 6)])
-def test_a_warm_step_is_answered_from_the_cache(name: str, waits: int) -> None:
-    """After the first steps (Adam's and momentum's state appear in them) no op misses, only
-    what Python reads waits (Adam reads each parameter's step count with ``.item()``), and
+# (ahead: the MLP's momentum buffers of its two biases, 64 and 16 bytes, ``buf.mul_(momentum)``;
+# the CNN's Adam step counts, ``step_t += 1`` and ``step_t.item()`` for each of 6 parameters,
+# ``exp_avg_sq.mul_(beta2)`` for the 4 of at most 64 bytes, and batch norm's
+# ``num_batches_tracked.add_(1)``)
+@pytest.mark.parametrize(("name", "ahead"), [("mlp", 2), ("cnn", 17)])
+def test_a_warm_step_is_answered_from_the_cache(name: str, ahead: int) -> None:
+    """After the first steps (Adam's and momentum's state appear in them) no op misses, none
+    waits (Adam's ``step_t += 1`` and ``step_t.item()`` per parameter, on a real 4-byte tensor
+    no queued op touches, run ahead of the worker: they waited for the whole backward), and
     every warm step has as many ops: the tape holds its placeholders' slots,
     not the placeholders, so autograd steals each gradient into ``.grad`` as eager does (holding
     them made extra copies, as many as the worker was behind)."""
@@ -185,7 +190,8 @@ def test_a_warm_step_is_answered_from_the_cache(name: str, waits: int) -> None:
             state.step(i)
         counts.append(capture.counters)
     assert {c.misses for c in counts} == {counts[0].misses}
-    assert {b.run_now - a.run_now for a, b in itertools.pairwise(counts)} == {waits}
+    assert {b.run_now - a.run_now for a, b in itertools.pairwise(counts)} == {0}
+    assert {b.ran_ahead - a.ran_ahead for a, b in itertools.pairwise(counts)} == {ahead}
     per_step = {b.ops - a.ops for a, b in itertools.pairwise(counts)}
     assert len(per_step) == 1 and per_step.pop() > 20
 
@@ -545,3 +551,29 @@ def test_sparse_gradients_run_at_once_bit_equal_to_eager() -> None:
     for a, b in zip(train(None), train(capture)):
         assert torch.equal(a, b)
     assert "sparse" in capture.backward_why
+
+
+def test_an_op_on_a_small_tensor_a_queued_op_reads_waits_its_turn() -> None:
+    """A small real tensor that a queued op reads (``big * scale`` behind matmuls the worker is
+    still running) and that is then written in place: the write is queued too, not run ahead,
+    so the read sees the value from before it, as in eager. A small tensor no queued op
+    touches (a step count and its ``.item()``) runs ahead."""
+    w = torch.randn(400, 400, generator=torch.Generator().manual_seed(0))
+
+    def step(scale: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        big = (w @ w @ w @ w).sum()  # (the worker is busy here for milliseconds)
+        y = big * scale
+        scale.add_(1.0)  # (y's mul, queued, reads scale: this waits its turn)
+        count.add_(1)  # (nothing queued touches count: it runs ahead)
+        return y, y + scale, count.item()
+
+    scale, count = torch.tensor(2.0), torch.tensor(0)
+    want = [step(scale, count) for _ in range(4)]
+    scale, count, capture = torch.tensor(2.0), torch.tensor(0), Capture()
+    for i in range(4):
+        before = capture.counters
+        with capture.step():
+            y, z, n = step(scale, count)
+        assert torch.equal(y, want[i][0]) and torch.equal(z, want[i][1]) and n == want[i][2]
+        ahead = capture.counters.ran_ahead - before.ran_ahead
+    assert ahead == 2  # (count.add_ and count.item(): scale.add_ was queued)
