@@ -939,7 +939,10 @@ class Capture {
   // effect or change its inputs, so running it now is eager's order on every storage it
   // touches. Adam's ``step_t += 1`` and ``step_t.item()`` per parameter waited for the whole
   // backward before each (issue 52). Not under a memory plan or a budget (their places count
-  // the ops queued), nor while a step is described or a backward recorded.
+  // the ops queued), nor while a step is described or a backward recorded, nor inside a try
+  // that may catch an op's error (there every op runs in eager's order: what a handler sees is
+  // eager's state). An op queued before it that fails uncaught has let it run, as it let the
+  // Python after that line run.
   bool runs_ahead(const c10::OperatorHandle& op, const Entry& e, Args args, bool in_try) {
     if (!worker_ || mode_ != Mode::kAsync || in_try || recording_ || describing_ || drops_ != nullptr || cap_ > 0)
       return false;
@@ -1478,7 +1481,13 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     ++ahead_;
     if (g_debug) std::cerr << "coexec capture: (runs ahead) " << schema.name() << "." << schema.overload_name() << std::endl;
     extend_path(mix(d, cached->id ^ kAheadSalt));
-    run_on_values(op, args, stack, included_before_);
+    try {
+      run_on_values(op, args, stack, included_before_);
+    } catch (...) {
+      drain();  // (an op queued before it may have failed: that error is the one eager raised)
+      raise_failure();
+      throw;
+    }
     return;
   }
   if (mode_ == Mode::kAsync && (in_try || cached == nullptr || cached->run_now || changes_written(*cached, args))) {

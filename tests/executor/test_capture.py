@@ -255,13 +255,14 @@ def test_item_runs_at_once_and_only_it() -> None:
 
 
 def test_python_reads_values_inside_a_step() -> None:
-    """numpy(), tolist(), printing a 1-D tensor and formatting a number wait for the value."""
+    """numpy(), tolist(), printing a 1-D tensor and formatting a number wait for the value (of
+    more than 64 bytes: ops on smaller real tensors run ahead, their values real at once)."""
 
     def work(x: torch.Tensor) -> tuple[Any, ...]:
         y = (x * 2).sin()
         return y.detach().numpy().copy(), y.tolist(), str(y), f"{y.sum():.4f}", repr(y[1:])
 
-    x = torch.linspace(0, 1, 5)
+    x = torch.linspace(0, 1, 20)
     want = work(x)
     capture = Capture()
     for _ in range(2):  # (the second: every op answered from the cache)
@@ -310,22 +311,56 @@ def test_a_failure_on_the_worker_is_eagers_error_with_the_ops_line() -> None:
     """The indices of the second step are out of range, which only running the op finds: the
     step raises at its end eager's IndexError with eager's message, its traceback going on to
     the op's line and a note naming it; the next step runs."""
-    w = torch.randn(4, 3)
+    w = torch.randn(40, 3)  # (480 bytes: its ops are queued, not run ahead as ops on small tensors)
     with pytest.raises(IndexError) as eager:
-        _select(w, torch.tensor([0, 9]))
+        _select(w, torch.tensor([0, 99]))
     capture = Capture()
     with capture.step():
         _select(w, torch.tensor([0, 1])).sum()
     line = _select.__code__.co_firstlineno + 1
     with pytest.raises(IndexError) as captured, capture.step():
-        _select(w, torch.tensor([0, 9])).sum()
+        _select(w, torch.tensor([0, 99])).sum()
     assert str(captured.value) == str(eager.value)
     (note,) = captured.value.__notes__
     assert re.search(rf"test_capture\.py:{line} in _select", note)
     assert traceback.extract_tb(captured.value.__traceback__)[-1][:3] == (__file__, line, "_select")
     with capture.step():
         total = _select(w, torch.tensor([2, 3])).sum()
-    assert total.item() == w[2:].sum().item()
+    assert total.item() == w[2:4].sum().item()
+
+
+def test_a_small_op_that_fails_raises_the_earlier_error_of_a_queued_op() -> None:
+    """A queued op fails on the worker (indices out of range), then an op on small real tensors,
+    run ahead, fails too: the error raised is the queued op's, the one eager raises, with no
+    other error before it (the small op's, which eager never met). The indices are tensors the
+    program keeps and sets between steps, so the steps meet the same ops (a new tensor made
+    outside the dispatcher is a new constant: its op would run at once, after the worker)."""
+    w, small = torch.randn(40, 3), torch.zeros(4)
+    index, small_index = torch.tensor([0, 1]), torch.tensor([1])
+
+    def step() -> torch.Tensor:
+        _select(w, index).sum()
+        return small[small_index]
+
+    capture = Capture()
+    for _ in range(2):
+        before = capture.counters.ran_ahead
+        with capture.step():
+            step()
+    assert capture.counters.ran_ahead > before  # (the small op runs ahead once warm)
+    index[1], small_index[0] = 99, 7
+    with pytest.raises(IndexError) as eager:
+        step()
+    before = capture.counters.ran_ahead
+    with pytest.raises(IndexError) as captured, capture.step():
+        step()
+    assert capture.counters.ran_ahead > before  # (it failed ahead of the worker)
+    assert str(captured.value) == str(eager.value)
+    assert captured.value.__context__ is None
+    index[1] = 3
+    with capture.step():
+        total = _select(w, index).sum()
+    assert total.item() == w[[0, 3]].sum().item()
 
 
 def _look_up(table: torch.nn.Module, index: torch.Tensor) -> torch.Tensor:
