@@ -213,16 +213,37 @@ def make_random():
     return make(dropout=True)
 
 
-def test_offloading_lowers_the_smallest_budget_and_parks_activations_bit_equal():
+@pytest.fixture
+def op_times_measured_once(monkeypatch):
+    """Each op's time as the first tracing step of the test measured it, in every later run.
+    With offloading the smallest budget follows the op times each run measures (copy windows
+    span the ops whose times cover a copy; the error says so): on this VM one run's floor was
+    10% above the last's (1.82 against 2.01 MiB, 2 in 8 runs), one copy window an op shorter.
+    Sharing one measurement per op keeps what the test is about, the plans and their floors,
+    apart from the machine's timing noise."""
+    from tracegraph.recorder import Recorder
+
+    measured: dict = {}
+    execute = Recorder.execute
+
+    def once(self, rec, func, args, kwargs, tensors):
+        out = execute(self, rec, func, args, kwargs, tensors)
+        rec.seconds = measured.setdefault(rec.key, rec.seconds)
+        return out
+
+    monkeypatch.setattr(Recorder, "execute", once)
+
+
+def test_offloading_lowers_the_smallest_budget_and_parks_activations_bit_equal(op_times_measured_once):
     # (with dropout: where every value can be made again, as in ``make``'s MLP, recomputation
     # alone reaches the step's working set once dead values are freed at the next op, and
     # parking lowers nothing: coexec/arena.py, sweep_every)
     eager_losses, eager_state, _ = run(make_random, step, 6, False)
     remat_only = smallest_budget(make_random, step, 6, "budget-remat-only", offload=False)
-    budget = smallest_budget(make_random, step, 6, "budget-offload", offload=True)
-    assert budget < remat_only
-    budget, losses, state, tape, peaks = run_at_floor(make_random, step, 6, budget, "budget-offload-run", offload=True)
-    assert budget < remat_only
+    floor = smallest_budget(make_random, step, 6, "budget-offload", offload=True)
+    assert floor < remat_only
+    budget, losses, state, tape, peaks = run_at_floor(make_random, step, 6, floor, "budget-offload-run", offload=True)
+    assert budget == floor  # (the op times shared: the floor found is the floor run at)
     assert losses == eager_losses
     assert all(torch.equal(a, b) for a, b in zip(state, eager_state))
     assert len(peaks) >= 2 and max(peaks) <= budget
