@@ -170,9 +170,9 @@ def run_child(program: str, mode: str, args: argparse.Namespace) -> Child:
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if mode == "eager-malloc":
-        from coexec.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD  # (the parent's import)
+        from coexec.host_memory import ENVIRONMENT  # (the parent's import)
 
-        env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
+        env.update(ENVIRONMENT)
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"fair_speed: {program} {mode} failed:\n{done.stderr[-3000:]}")

@@ -69,7 +69,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.batch)))
         return
     from common import markdown_table
-    from coexec.host_memory import MMAP_THRESHOLD, TRIM_THRESHOLD
+    from coexec.host_memory import ENVIRONMENT
 
     rows = []
     for program in args.programs.split(","):
@@ -79,7 +79,7 @@ def main() -> None:
                 env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
                 env["PYTHONPATH"] = str(ROOT)
                 if policy == "kept":
-                    env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(TRIM_THRESHOLD))
+                    env.update(ENVIRONMENT)
                 print(f"{program} round {r + 1}/{args.rounds}, {policy} ...", file=sys.stderr, flush=True)
                 cmd = [sys.executable, __file__, "--child", program, "--batch", str(args.batch)]
                 done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)

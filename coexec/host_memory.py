@@ -24,6 +24,9 @@ M_TRIM_THRESHOLD = -1  # (glibc's <malloc.h>)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # (glibc's DEFAULT_MMAP_THRESHOLD_MAX on a 64-bit machine: its largest)
 TRIM_THRESHOLD = 2**31 - 1  # (mallopt takes an int)
+# the same thresholds as glibc reads them from the environment at a process's start (bench/: an
+# eager process given a tape's policy without importing coexec)
+ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
 
 _kept: bool | None = None  # (None: not tried yet; then whether glibc took both settings)
 

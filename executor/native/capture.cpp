@@ -41,6 +41,7 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 #include <Python.h>
 #include <frameobject.h>
@@ -180,6 +181,8 @@ c10::DispatchKeySet without_capture(c10::DispatchKeySet ks) {
   if (ks.highestBackendKey() == c10::BackendComponent::InvalidBit) ks = ks - c10::DispatchKeySet(c10::DispatchKey::Dense);
   return ks;
 }
+
+int64_t made_bytes(const c10::FunctionSchema& schema, const std::vector<int>& written, const std::vector<OutMeta>& outputs);
 
 class Capture {
  public:
@@ -921,48 +924,53 @@ class Capture {
                torch::jit::Stack* stack);
   void run_at_once(const c10::OperatorHandle& op, Args args, torch::jit::Stack* stack);
 
+  // An op's small real tensors (storages of at most kAheadBytes), gathered as answer() first
+  // looks at its arguments: whether it may run ahead, and what a queued op keeps from running
+  // ahead.
   static const c10::StorageImpl* small_storage(const at::Tensor& t) {
     if (!t.defined() || is_ph(t) || !t.has_storage()) return nullptr;
     const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
     return static_cast<int64_t>(s->nbytes()) <= kAheadBytes ? s : nullptr;
   }
 
-  // A queued op reads or writes `t`: an op on its storage no longer runs ahead in this step.
-  void note_queued(const at::Tensor& t) {
-    if (const c10::StorageImpl* s = small_storage(t)) queued_small_.insert(s);
+  struct SmallArgs {
+    bool all = true;  // every tensor argument is small and real
+    bool any = false;  // it has a tensor argument
+    c10::SmallVector<const c10::StorageImpl*, 4> storages;
+
+    void add(const at::Tensor& t) {
+      any = true;
+      if (const c10::StorageImpl* s = small_storage(t))
+        storages.push_back(s);
+      else
+        all = false;
+    }
+  };
+
+  // A queued op reads or writes these: an op on them no longer runs ahead in this step.
+  void note_queued(const SmallArgs& small) {
+    for (const c10::StorageImpl* s : small.storages) queued_small_.insert(s);
   }
 
   // Does the op run ahead: at once on this thread, without waiting for the worker? An op on
   // small real tensors only (at most kAheadBytes each: an optimizer's step count, a scalar's
   // bookkeeping), none requiring grad, none whose storage an op queued in this step reads or
-  // writes, making only small tensors, drawing from no generator: no queued op can see its
-  // effect or change its inputs, so running it now is eager's order on every storage it
-  // touches. Adam's ``step_t += 1`` and ``step_t.item()`` per parameter waited for the whole
-  // backward before each (issue 52). Not under a memory plan or a budget (their places count
-  // the ops queued), nor while a step is described or a backward recorded, nor inside a try
-  // that may catch an op's error (there every op runs in eager's order: what a handler sees is
-  // eager's state). An op queued before it that fails uncaught has let it run, as it let the
-  // Python after that line run.
-  bool runs_ahead(const c10::OperatorHandle& op, const Entry& e, Args args, bool in_try) {
-    if (!worker_ || mode_ != Mode::kAsync || in_try || recording_ || describing_ || drops_ != nullptr || cap_ > 0)
+  // writes, making at most kAheadBytes of new storage, drawing from no generator: no queued op
+  // can see its effect or change its inputs, so running it now is eager's order on every
+  // storage it touches. Adam's ``step_t += 1`` and ``step_t.item()`` per parameter waited for
+  // the whole backward before each (issue 52). Not under a memory plan or a budget (their
+  // places count the ops queued), nor while a step is described or a backward recorded, nor
+  // inside a try that may catch an op's error (there every op runs in eager's order: what a
+  // handler sees is eager's state). An op queued before it that fails uncaught has let it run,
+  // as it let the Python after that line run.
+  bool runs_ahead(const c10::OperatorHandle& op, const Entry& e, const SmallArgs& small, bool needs_grad, bool in_try) {
+    if (!small.any || !small.all || needs_grad || !worker_ || mode_ != Mode::kAsync || in_try || recording_ ||
+        describing_ || drops_ != nullptr || cap_ > 0)
       return false;
-    bool any = false, small = true;  // (most ops read a placeholder: refused here, first)
-    for (const c10::IValue& a : args)
-      each_tensor(a, [&](const at::Tensor& t) {
-        if (!small || !t.defined()) return;
-        any = true;
-        const c10::StorageImpl* s = small_storage(t);
-        small = s != nullptr && t.is_cpu() && !t.requires_grad() && queued_small_.count(s) == 0;
-      });
-    if (!any || !small) return false;
-    for (const OutMeta& m : e.outputs)
-      for (const TensorMeta& t : m.tensors) {
-        int64_t n = 1;
-        for (const int64_t d : t.sizes) n *= d;
-        if (t.dtype != c10::ScalarType::Undefined && n * static_cast<int64_t>(c10::elementSize(t.dtype)) > kAheadBytes)
-          return false;
-      }
-    return !op.hasTag(at::Tag::nondeterministic_seeded) && !is_collective(op) && !python_kernel(op);
+    for (const c10::StorageImpl* s : small.storages)
+      if (queued_small_.count(s) != 0) return false;
+    return made_bytes(op.schema(), e.written, e.outputs) <= kAheadBytes && !op.hasTag(at::Tag::nondeterministic_seeded) &&
+           !is_collective(op) && !python_kernel(op);
   }
 
  public:
@@ -1364,7 +1372,8 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
       bool real = false;
       for (uint32_t k = rb; k < re; ++k) {
         real = real || (!got[g0 + k].slot && got[g0 + k].t.defined());
-        if (!got[g0 + k].slot) note_queued(got[g0 + k].t);
+        if (const c10::StorageImpl* s = got[g0 + k].slot ? nullptr : small_storage(got[g0 + k].t))
+          queued_small_.insert(s);
       }
       if (!real) {
         e.args.push_back(o.args[i]);
@@ -1423,6 +1432,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // autograd may save them (its entry is added below)
   const bool grad_mode = c10::GradMode::is_enabled();
   bool needs_grad = false, meta = false;
+  SmallArgs small;
   uint64_t d = grad_mode;
   for (const auto& a : args)  // (placeholders report the CPU: a CUDA step would be answered wrong)
     each_tensor(a, [&](const at::Tensor& t) {
@@ -1434,6 +1444,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                   op.schema().name(), " got a tensor on ", t.device());
       d = mix(d, wiring(t));
       needs_grad = needs_grad || (t.defined() && t.requires_grad());
+      if (t.defined()) small.add(t);
     });
   // An op on a meta tensor: Meta is the highest backend, so one comes here only where it carries
   // another backend's keys (FakeTensorMode's tensors carry their fake device's: a CPU tensor's
@@ -1477,7 +1488,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     cached = shape(op, key, args);
     shaped = cached != nullptr;
   }
-  if (cached != nullptr && !shaped && runs_ahead(op, *cached, args, in_try) && !changes_written(*cached, args)) {
+  if (cached != nullptr && !shaped && runs_ahead(op, *cached, small, needs_grad, in_try) && !changes_written(*cached, args)) {
     ++ahead_;
     if (g_debug) std::cerr << "coexec capture: (runs ahead) " << schema.name() << "." << schema.overload_name() << std::endl;
     extend_path(mix(d, cached->id ^ kAheadSalt));
@@ -1550,8 +1561,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (cap_ > 0) entry.made_bytes = made_bytes(schema, cached->written, cached->outputs);
   entry.forward = forward_;
-  if (worker_)
-    for (const c10::IValue& a : args) each_tensor(a, [this](const at::Tensor& t) { note_queued(t); });
+  if (worker_) note_queued(small);
   // (moved, after the outputs took the written ones: a copy and a destroy an argument less)
   for (c10::IValue& a : args) entry.add_arg(std::move(a));
   if (worker_) {
