@@ -58,7 +58,6 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <unordered_set>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -489,8 +488,11 @@ class Capture {
   bool eager_rest_ = false;  // (run_rest_eagerly)
   int64_t eager_rests_ = 0;  // steps that ran their rest eagerly
   int64_t ahead_ = 0;  // ops run ahead of the worker on this thread (runs_ahead)
-  // the small real storages an op queued in this step reads or writes (runs_ahead)
-  std::unordered_set<const c10::StorageImpl*> queued_small_;
+  // the small real storages an op queued in this step reads or writes (runs_ahead), each held
+  // weakly to the step's end: one freed meanwhile keeps its address, which a new small tensor
+  // (a Python number an op wraps) would otherwise take and, refused, run ahead in some steps
+  // only, by the worker's progress
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> queued_small_;
   c10::DispatchKeySet included_before_;
   // per key, the variants seen (sizes that come back: a last batch, lengths drawn from a
   // range), the latest last; at most kVariants, the oldest dropped first
@@ -949,7 +951,13 @@ class Capture {
 
   // A queued op reads or writes these: an op on them no longer runs ahead in this step.
   void note_queued(const SmallArgs& small) {
-    for (const c10::StorageImpl* s : small.storages) queued_small_.insert(s);
+    for (const c10::StorageImpl* s : small.storages) note_queued(s);
+  }
+
+  void note_queued(const c10::StorageImpl* s) {
+    if (queued_small_.count(s) == 0)  // (the tensor holding it is alive: the copy is safe)
+      queued_small_.emplace(s, c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                   c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(s))));
   }
 
   // Does the op run ahead: at once on this thread, without waiting for the worker? An op on
@@ -1373,7 +1381,7 @@ std::string Capture::issue_block(Block& b, const GraphWalk& w, const Place& site
       for (uint32_t k = rb; k < re; ++k) {
         real = real || (!got[g0 + k].slot && got[g0 + k].t.defined());
         if (const c10::StorageImpl* s = got[g0 + k].slot ? nullptr : small_storage(got[g0 + k].t))
-          queued_small_.insert(s);
+          note_queued(s);
       }
       if (!real) {
         e.args.push_back(o.args[i]);
