@@ -13,13 +13,15 @@ the worker, and so does a class of the program's own, ``except LossSpike:`` or
 Python's or torch's exception classes, and ``except`` matches by the class's real bases). A
 clause *swallows* where its body can end without raising (it reaches POP_EXCEPT): the program
 goes on after the error, so the Python after a failing op must not have run; a clause that
-logs and re-raises does not. A ``with`` whose context manager
-suppresses errors (``contextlib.suppress``) is not seen as catching.
+logs and re-raises does not. A ``with contextlib.suppress(...)`` counts as a clause that
+catches and swallows (its manager read from the code: the call that made it); any other
+``with`` does not, a manager of the program's own whose ``__exit__`` returns True included.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dis
 import sys
 from collections.abc import Callable, Mapping
@@ -134,7 +136,7 @@ def _handler(
         return _NONE
     k = i + 1
     if instructions[k].opname == "WITH_EXCEPT_START":
-        return _NONE
+        return _Handler(True, True) if _suppresses(instructions, i, namespace) else _NONE
     clauses = 0
     catches = swallows = False
     for _ in range(256):  # (clauses of one try)
@@ -169,6 +171,55 @@ def _handler(
             swallows = swallows or _ends_normally(instructions, cleanup_of, k + 2, jump.argval)
         k = at[jump.argval]
     return _Handler(True, True)
+
+
+def _suppresses(instructions: list[dis.Instruction], i: int, namespace: Mapping[str, Any] | None) -> bool:
+    """Is the ``with`` whose exit handler starts at instruction ``i`` one over a
+    ``contextlib.suppress(...)`` (its manager made by a call of a name bound to that class, or a
+    subclass)? Its handler then swallows what the call's classes match, as an ``except`` would;
+    counted as catching every op's error (the classes are not looked at). The ``with`` is found
+    by its source span, which its BEFORE_WITH and its handler share; the manager's callee is the
+    call's first load and the attributes read off it (``contextlib.suppress``, ``suppress``).
+    Any other manager, or one not made by such a call (a variable), is not seen as catching."""
+    span = instructions[i].positions
+    for j, ins in enumerate(instructions):
+        if ins.opname != "BEFORE_WITH" or ins.positions != span or j == 0 or instructions[j - 1].opname != "CALL":
+            continue
+        call = instructions[j - 1].positions
+        start = j - 1
+        while start > 0 and _within(instructions[start - 1].positions, call):
+            start -= 1
+        path: list[str] = []
+        local = False  # (the callee a local variable's: not looked up in the globals)
+        for load in instructions[start : j - 1]:
+            same_start = load.positions.lineno == call.lineno and load.positions.col_offset == call.col_offset
+            if not path and same_start and load.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_FAST"):
+                path.append(load.argval)
+                local = load.opname in ("LOAD_DEREF", "LOAD_FAST")
+            elif path and same_start and load.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                path.append(load.argval)
+            elif path or load.opname != "PUSH_NULL":
+                break
+        if not path:
+            continue
+        found = _looked_up(path, namespace) if namespace is not None and not local else None
+        if found is None:
+            if path[-1] == "suppress":  # (not known here: may be contextlib's)
+                return True
+            continue
+        if isinstance(found, type) and issubclass(found, contextlib.suppress):
+            return True
+    return False
+
+
+def _within(inner: dis.Positions, outer: dis.Positions) -> bool:
+    """Does source span ``inner`` lie inside ``outer`` (both known)?"""
+    if None in (inner.lineno, inner.col_offset, outer.lineno, outer.col_offset):
+        return False
+    return (inner.lineno, inner.col_offset) >= (outer.lineno, outer.col_offset) and (
+        inner.end_lineno,
+        inner.end_col_offset,
+    ) <= (outer.end_lineno, outer.end_col_offset)
 
 
 def _cannot_catch(path: list[str] | None, namespace: Mapping[str, Any] | None) -> bool:

@@ -112,7 +112,40 @@ def skipped_a_frame_above(within, steps: int):
     return losses, _state(model, opt), caught
 
 
-@pytest.mark.parametrize("program", [handled_inside, skipped_outside, skipped_a_frame_above])
+def suppressed_after_the_update(within, steps: int):
+    """``with contextlib.suppress(IndexError):`` around the step (a context manager, no ``try``
+    in any frame), the failing op after the optimizer's update: the update and the in-place op
+    before the failing one stay, the one after it never runs, as in eager."""
+    model, opt, batches = _make()
+    losses, caught = [], 0
+    for i in range(steps):
+        idx = batches[i % len(batches)]
+        done = False
+        with contextlib.suppress(IndexError):
+            with within():
+                opt.zero_grad()
+                loss = model.out(model.emb(idx.clamp(max=99))).mean()
+                loss.backward()
+                opt.step()
+                with torch.no_grad():
+                    model.emb.weight.mul_(0.5)
+                    model.emb(idx)  # (out of range on every third batch)
+                    model.out.bias.add_(1.0)
+                done = True
+        caught += not done
+        losses.append(loss.item())
+    return losses, _state(model, opt), caught
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        handled_inside,
+        skipped_outside,
+        skipped_a_frame_above,
+        suppressed_after_the_update,
+    ],
+)
 def test_a_caught_op_error_trains_as_eager(program) -> None:
     want_losses, want_state, want_caught = program(contextlib.nullcontext, 12)
     tape = coexec.GradientTape()
@@ -236,6 +269,24 @@ def test_a_class_of_the_programs_own_cannot_catch_an_ops_error(source: str, catc
 )
 def test_which_trys_may_catch_and_swallow_an_ops_error(source: str, catches: bool, swallows: bool) -> None:
     assert _scopes_of(source) == (catches, swallows)
+
+
+@pytest.mark.parametrize(
+    ("source", "swallows"),
+    [
+        ("import contextlib\ndef f(x):\n with contextlib.suppress(IndexError):\n  x = x + 1\n return x", True),
+        ("from contextlib import suppress\ndef f(x):\n with suppress(IndexError, RuntimeError):\n  x = x + 1\n return x", True),
+        ("import contextlib\nclass Quiet(contextlib.suppress): pass\ndef f(x):\n with Quiet(IndexError):\n  x = x + 1\n return x", True),
+        # (the suppress around the step's own `with`, two managers in one statement)
+        ("import contextlib\ndef f(x, tape):\n with contextlib.suppress(IndexError):\n  with tape:\n   x = x + 1\n return x", True),
+        ("import contextlib\ndef f(x, tape):\n with tape, contextlib.suppress(IndexError):\n  x = x + 1\n return x", True),
+        ("import contextlib\ndef f(x):\n with contextlib.nullcontext():\n  x = x + 1\n return x", False),
+        ("import torch\ndef f(x):\n with torch.no_grad():\n  x = x + 1\n return x", False),
+        ("def f(x):\n with open(x) as fh:\n  x = x + 1\n return x", False),
+    ],
+)
+def test_a_with_over_contextlib_suppress_catches_and_swallows(source: str, swallows: bool) -> None:
+    assert _scopes_of(source, resolve=True) == (swallows, swallows)
 
 
 def logged_and_raised(within, steps: int):
