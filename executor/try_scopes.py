@@ -13,9 +13,10 @@ the worker, and so does a class of the program's own, ``except LossSpike:`` or
 Python's or torch's exception classes, and ``except`` matches by the class's real bases). A
 clause *swallows* where its body can end without raising (it reaches POP_EXCEPT): the program
 goes on after the error, so the Python after a failing op must not have run; a clause that
-logs and re-raises does not. A ``with contextlib.suppress(...)`` counts as a clause that
-catches and swallows (its manager read from the code: the call that made it); any other
-``with`` does not, a manager of the program's own whose ``__exit__`` returns True included.
+logs and re-raises does not. A ``with`` counts as a clause that catches and swallows where its
+manager may swallow: ``contextlib.suppress``, a class whose ``__exit__`` may return True, a
+``@contextmanager`` generator that catches around its ``yield`` (the manager read from the
+code: the call that made it, looked up in the globals); ``with cm:`` over a variable does not.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dis
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from types import CodeType, ModuleType
@@ -61,7 +63,7 @@ class _Handler(NamedTuple):
 _NONE = _Handler(False, False)
 
 
-def try_scopes(code: CodeType, namespace: Mapping[str, Any] | None = None) -> TryScopes:
+def try_scopes(code: CodeType, namespace: Mapping[str, Any] | None = None, depth: int = 0) -> TryScopes:
     """``code``'s :class:`TryScopes` (empty before Python 3.11: no exception table). With
     ``namespace`` (the globals the code runs in), a clause's class named by a global (or a
     module's attribute, ``coexec.BudgetTooSmall``) is looked up there."""
@@ -90,7 +92,7 @@ def try_scopes(code: CodeType, namespace: Mapping[str, Any] | None = None) -> Tr
         """What the first handler that may catch, on the chain from ``target``, does."""
         if target in known:
             return known[target]
-        found = _handler(instructions, at, cleanup_of, at.get(target), namespace)
+        found = _handler(instructions, at, cleanup_of, at.get(target), namespace, depth)
         if not found.catches and target not in seen:
             outer = entry_at(target)
             found = _NONE if outer is None else reached(outer.target, seen | {target})
@@ -124,6 +126,7 @@ def _handler(
     cleanup_of: Callable[[int], int | None],
     i: int | None,
     namespace: Mapping[str, Any] | None = None,
+    depth: int = 0,
 ) -> _Handler:
     """What the handler starting at instruction ``i`` does with an op's error. An ``except``
     handler starts with PUSH_EXC_INFO, then pops the exception (a bare ``except:``) or tests it
@@ -136,7 +139,7 @@ def _handler(
         return _NONE
     k = i + 1
     if instructions[k].opname == "WITH_EXCEPT_START":
-        return _Handler(True, True) if _suppresses(instructions, i, namespace) else _NONE
+        return _Handler(True, True) if _suppresses(instructions, i, namespace, depth) else _NONE
     clauses = 0
     catches = swallows = False
     for _ in range(256):  # (clauses of one try)
@@ -173,14 +176,15 @@ def _handler(
     return _Handler(True, True)
 
 
-def _suppresses(instructions: list[dis.Instruction], i: int, namespace: Mapping[str, Any] | None) -> bool:
-    """Is the ``with`` whose exit handler starts at instruction ``i`` one over a
-    ``contextlib.suppress(...)`` (its manager made by a call of a name bound to that class, or a
-    subclass)? Its handler then swallows what the call's classes match, as an ``except`` would;
-    counted as catching every op's error (the classes are not looked at). The ``with`` is found
-    by its source span, which its BEFORE_WITH and its handler share; the manager's callee is the
-    call's first load and the attributes read off it (``contextlib.suppress``, ``suppress``).
-    Any other manager, or one not made by such a call (a variable), is not seen as catching."""
+def _suppresses(
+    instructions: list[dis.Instruction], i: int, namespace: Mapping[str, Any] | None, depth: int = 0
+) -> bool:
+    """May the ``with`` whose exit handler starts at instruction ``i`` swallow an op's error? Its
+    manager is read from the code: the ``with`` is found by the source span its BEFORE_WITH and
+    its handler share, the manager's callee is the call before BEFORE_WITH (its first load and
+    the attributes read off it), looked up in the code's globals (:func:`_may_swallow`). A
+    callee that is not looked up (a local variable, no globals) counts only if its name ends in
+    ``suppress``; a manager not made by a call of a name (``with cm:``) does not count."""
     span = instructions[i].positions
     for j, ins in enumerate(instructions):
         if ins.opname != "BEFORE_WITH" or ins.positions != span or j == 0 or instructions[j - 1].opname != "CALL":
@@ -207,8 +211,51 @@ def _suppresses(instructions: list[dis.Instruction], i: int, namespace: Mapping[
             if path[-1] == "suppress":  # (not known here: may be contextlib's)
                 return True
             continue
-        if isinstance(found, type) and issubclass(found, contextlib.suppress):
+        if _may_swallow(found, depth):
             return True
+    return False
+
+
+def _may_swallow(manager: object, depth: int = 0) -> bool:
+    """May a ``with`` over what ``manager`` makes when called swallow an error? A class: it is
+    ``contextlib.suppress`` or a subclass, or its ``__exit__`` is Python code that may return
+    something other than None or False (``ExitStack``'s may). A ``@contextlib.contextmanager``
+    function: its generator may catch and swallow around a ``yield`` (``try: yield / except
+    RuntimeError: log(...)``). torch's managers and those written in C (files, locks) do not
+    swallow; anything else called (a function that returns a manager) is not seen."""
+    if depth > 4:
+        return True
+    if isinstance(manager, type):
+        if issubclass(manager, contextlib.suppress):
+            return True
+        module = getattr(manager, "__module__", None) or ""
+        if module == "torch" or module.startswith("torch."):
+            return False  # (torch's managers hand errors on; some return their base's __exit__)
+        exit_ = inspect.getattr_static(manager, "__exit__", None)
+        code = getattr(exit_, "__code__", None)
+        return code is not None and _may_return_true(code)
+    wrapped = getattr(manager, "__wrapped__", None)
+    helper = getattr(manager, "__code__", None)
+    if wrapped is None or helper is None or helper.co_filename != contextlib.__file__:
+        return False
+    gen = getattr(wrapped, "__code__", None)
+    if gen is None or not gen.co_flags & inspect.CO_GENERATOR:
+        return False
+    scopes = try_scopes(gen, getattr(wrapped, "__globals__", None), depth + 1)
+    yields = [ins.offset for ins in dis.get_instructions(gen) if ins.opname == "YIELD_VALUE"]
+    return any(s <= y < t for y in yields for s, t in scopes.swallowing)
+
+
+def _may_return_true(code: CodeType) -> bool:
+    """May the function of ``code`` return anything but the constants None or False?"""
+    instructions = list(dis.get_instructions(code))
+    for k, ins in enumerate(instructions):
+        if ins.opname == "RETURN_CONST" and ins.argval not in (None, False):
+            return True
+        if ins.opname == "RETURN_VALUE":
+            before = instructions[k - 1] if k else None
+            if before is None or before.opname != "LOAD_CONST" or before.argval not in (None, False):
+                return True
     return False
 
 

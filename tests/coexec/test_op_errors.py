@@ -112,10 +112,23 @@ def skipped_a_frame_above(within, steps: int):
     return losses, _state(model, opt), caught
 
 
+def _update_then_fail(model, opt, idx, within, losses: list) -> None:
+    with within():
+        opt.zero_grad()
+        loss = model.out(model.emb(idx.clamp(max=99))).mean()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.emb.weight.mul_(0.5)
+            model.emb(idx)  # (out of range on every third batch)
+            model.out.bias.add_(1.0)
+        losses.append(loss)  # (the step's Python after the failing op: eager never runs it there)
+
+
 def suppressed_after_the_update(within, steps: int):
-    """``with contextlib.suppress(IndexError):`` around the step (a context manager, no ``try``
-    in any frame), the failing op after the optimizer's update: the update and the in-place op
-    before the failing one stay, the one after it never runs, as in eager."""
+    """``with contextlib.suppress(IndexError):`` around the step in its own frame (no ``try`` in
+    any frame), the failing op after the optimizer's update: the update and the in-place op
+    before the failing one stay, the one after it and the step's Python after it never run."""
     model, opt, batches = _make()
     losses, caught = [], 0
     for i in range(steps):
@@ -137,6 +150,29 @@ def suppressed_after_the_update(within, steps: int):
     return losses, _state(model, opt), caught
 
 
+@contextlib.contextmanager
+def _skipping_bad_batches():
+    try:
+        yield
+    except IndexError:
+        pass
+
+
+def skipped_by_a_manager_after_the_update(within, steps: int):
+    """The same failing step, called from a ``with`` over a ``@contextmanager`` of the program's
+    own that catches the error around its ``yield`` and goes on."""
+    model, opt, batches = _make()
+    losses, caught = [], 0
+    for i in range(steps):
+        idx = batches[i % len(batches)]
+        done = False
+        with _skipping_bad_batches():
+            _update_then_fail(model, opt, idx, within, losses)
+            done = True
+        caught += not done
+    return [loss.item() for loss in losses], _state(model, opt), caught
+
+
 @pytest.mark.parametrize(
     "program",
     [
@@ -144,6 +180,7 @@ def suppressed_after_the_update(within, steps: int):
         skipped_outside,
         skipped_a_frame_above,
         suppressed_after_the_update,
+        skipped_by_a_manager_after_the_update,
     ],
 )
 def test_a_caught_op_error_trains_as_eager(program) -> None:
@@ -283,9 +320,30 @@ def test_which_trys_may_catch_and_swallow_an_ops_error(source: str, catches: boo
         ("import contextlib\ndef f(x):\n with contextlib.nullcontext():\n  x = x + 1\n return x", False),
         ("import torch\ndef f(x):\n with torch.no_grad():\n  x = x + 1\n return x", False),
         ("def f(x):\n with open(x) as fh:\n  x = x + 1\n return x", False),
+        ("import torch\ndef f(x):\n with torch.autocast('cpu'):\n  x = x + 1\n return x", False),
+        # (its __exit__ returns its base's: torch's managers hand errors on)
+        ("import torch\ndef f(x):\n with torch.cuda.amp.autocast(enabled=False):\n  x = x + 1\n return x", False),
+        ("def f(x, cm):\n with cm:\n  x = x + 1\n return x", False),
+        # (a manager of the program's own: by what its __exit__ may return)
+        ("class Skip:\n def __enter__(self): pass\n def __exit__(self, *e): return True\n"
+         "def f(x):\n with Skip():\n  x = x + 1\n return x", True),
+        ("class Skip:\n def __enter__(self): pass\n def __exit__(self, t, *e): return t is IndexError\n"
+         "def f(x):\n with Skip():\n  x = x + 1\n return x", True),
+        ("class Timer:\n def __enter__(self): pass\n def __exit__(self, *e): print(e)\n"
+         "def f(x):\n with Timer():\n  x = x + 1\n return x", False),
+        ("class Timer:\n def __enter__(self): pass\n def __exit__(self, *e): return False\n"
+         "def f(x):\n with Timer():\n  x = x + 1\n return x", False),
+        ("import contextlib\ndef f(x):\n with contextlib.ExitStack():\n  x = x + 1\n return x", True),
+        # (a @contextmanager generator: by whether it catches and goes on around its yield)
+        ("import contextlib\n@contextlib.contextmanager\ndef skip():\n try:\n  yield\n except IndexError:\n  print('skipped')\n"
+         "def f(x):\n with skip():\n  x = x + 1\n return x", True),
+        ("import contextlib\n@contextlib.contextmanager\ndef timed():\n try:\n  yield\n finally:\n  print('done')\n"
+         "def f(x):\n with timed():\n  x = x + 1\n return x", False),
+        ("import contextlib\n@contextlib.contextmanager\ndef logged():\n try:\n  yield\n except Exception as e:\n  print(e)\n  raise\n"
+         "def f(x):\n with logged():\n  x = x + 1\n return x", False),
     ],
 )
-def test_a_with_over_contextlib_suppress_catches_and_swallows(source: str, swallows: bool) -> None:
+def test_a_with_whose_manager_may_swallow_catches_and_swallows(source: str, swallows: bool) -> None:
     assert _scopes_of(source, resolve=True) == (swallows, swallows)
 
 
