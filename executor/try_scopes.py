@@ -139,7 +139,7 @@ def _handler(
         return _NONE
     k = i + 1
     if instructions[k].opname == "WITH_EXCEPT_START":
-        return _Handler(True, True) if _suppresses(instructions, i, namespace, depth) else _NONE
+        return _Handler(True, True) if _with_may_swallow(instructions, i, namespace, depth) else _NONE
     clauses = 0
     catches = swallows = False
     for _ in range(256):  # (clauses of one try)
@@ -176,7 +176,7 @@ def _handler(
     return _Handler(True, True)
 
 
-def _suppresses(
+def _with_may_swallow(
     instructions: list[dis.Instruction], i: int, namespace: Mapping[str, Any] | None, depth: int = 0
 ) -> bool:
     """May the ``with`` whose exit handler starts at instruction ``i`` swallow an op's error? Its
@@ -261,7 +261,7 @@ def _may_return_true(code: CodeType) -> bool:
 
 def _within(inner: dis.Positions, outer: dis.Positions) -> bool:
     """Does source span ``inner`` lie inside ``outer`` (both known)?"""
-    if None in (inner.lineno, inner.col_offset, outer.lineno, outer.col_offset):
+    if None in (*inner, *outer):
         return False
     return (inner.lineno, inner.col_offset) >= (outer.lineno, outer.col_offset) and (
         inner.end_lineno,
