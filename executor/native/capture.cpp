@@ -236,6 +236,7 @@ class Capture {
     path_.clear();
     path_hash_ = 0;
     queued_small_.clear();
+    ahead_writes_.clear();
     first_value_ = next_value_;
     step_nodes_ = StepNodes::from_now();
     find_step_frame();
@@ -291,6 +292,7 @@ class Capture {
     end_quietly();
     raise_failure();
     places_.clear();
+    ahead_writes_.clear();
   }
 
   // Capture off and on again within a step, around what reads memory outside the dispatcher
@@ -493,6 +495,15 @@ class Capture {
   // (a Python number an op wraps) would otherwise take and, refused, run ahead in some steps
   // only, by the worker's progress
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>> queued_small_;
+  // what each op run ahead in this step wrote, as it was before (its place, the storage, its
+  // bytes): a queued op before it that fails gives them back before its error is raised, so the
+  // tensors are eager's wherever the error is caught (raise_failure)
+  struct AheadWrite {
+    int64_t place;
+    c10::intrusive_ptr<c10::StorageImpl> storage;
+    c10::SmallVector<char, kAheadBytes> bytes;
+  };
+  std::vector<AheadWrite> ahead_writes_;
   c10::DispatchKeySet included_before_;
   // per key, the variants seen (sizes that come back: a last batch, lengths drawn from a
   // range), the latest last; at most kVariants, the oldest dropped first
@@ -698,6 +709,7 @@ class Capture {
     auto [index, error] = worker_->error();
     if (index < 0) return;
     worker_->clear_error();
+    give_back_ahead_writes(index);
     py::gil_scoped_acquire gil;
     std::vector<Frame> frames;  // (outermost first)
     if (index < static_cast<int64_t>(places_.size()) && places_[index].code != nullptr) {
@@ -713,6 +725,32 @@ class Capture {
     py::object found = with_place_(raised.value(), index, frames);
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(found.ptr())), found.ptr());
     throw py::error_already_set();
+  }
+
+  // Before an op runs ahead: the storages it writes, as they are (small real ones: runs_ahead).
+  void keep_ahead_writes(const c10::FunctionSchema& schema, Args args) {
+    const auto& formals = schema.arguments();
+    for (size_t i = 0; i < formals.size() && i < args.size(); ++i) {
+      const auto* alias = formals[i].alias_info();
+      if (alias == nullptr || !alias->isWrite() || !args[i].isTensor()) continue;
+      const at::Tensor& t = args[i].toTensor();
+      if (!t.defined() || is_ph(t)) continue;
+      c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
+      const size_t n = st->nbytes();
+      if (n > static_cast<size_t>(kAheadBytes) || st->data() == nullptr) continue;
+      AheadWrite w{static_cast<int64_t>(places_.size()) - 1, c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(st), {}};
+      w.bytes.resize(n);
+      std::memcpy(w.bytes.data(), st->data(), n);
+      ahead_writes_.push_back(std::move(w));
+    }
+  }
+
+  // A queued op at place `failed` failed: what ops run ahead after it wrote is given back, the
+  // latest first (eager never ran them).
+  void give_back_ahead_writes(int64_t failed) {
+    for (auto w = ahead_writes_.rbegin(); w != ahead_writes_.rend(); ++w)
+      if (w->place > failed) std::memcpy(w->storage->mutable_data(), w->bytes.data(), w->bytes.size());
+    ahead_writes_.clear();
   }
 
   // Set Python's error as torch sets it for `error` thrown by an op called from Python.
@@ -969,8 +1007,10 @@ class Capture {
   // the whole backward before each (issue 52). Not under a memory plan or a budget (their
   // places count the ops queued), nor while a step is described or a backward recorded, nor
   // inside a try that may catch an op's error (there every op runs in eager's order: what a
-  // handler sees is eager's state). An op queued before it that fails uncaught has let it run,
-  // as it let the Python after that line run.
+  // handler sees is eager's state). An op queued before it that fails has let it run, as it
+  // let the Python after that line run; what it wrote is given back before that error is raised
+  // (give_back_ahead_writes), so the tensors are eager's wherever the error is caught (a
+  // notebook's cell, a trainer's handler: try blocks outside the program's code do not count).
   bool runs_ahead(const c10::OperatorHandle& op, const Entry& e, const SmallArgs& small, bool needs_grad, bool in_try) {
     if (!small.any || !small.all || needs_grad || !worker_ || mode_ != Mode::kAsync || in_try || recording_ ||
         describing_ || drops_ != nullptr || cap_ > 0)
@@ -1500,6 +1540,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     ++ahead_;
     if (g_debug) std::cerr << "coexec capture: (runs ahead) " << schema.name() << "." << schema.overload_name() << std::endl;
     extend_path(mix(d, cached->id ^ kAheadSalt));
+    keep_ahead_writes(schema, args);
     try {
       run_on_values(op, args, stack, included_before_);
     } catch (...) {

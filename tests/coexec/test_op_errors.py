@@ -6,7 +6,9 @@ runs at once (``executor/try_scopes.py``), as does every op of a step called ins
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sysconfig
 import traceback
 
 import pytest
@@ -394,3 +396,45 @@ def test_an_op_error_comes_at_the_next_read_as_eagers() -> None:
     with tape:
         total = _lookup(table, torch.tensor([1, 2])).sum().item()
     assert total == table(torch.tensor([1, 2])).sum().item()
+
+
+def _runner_in_installed_code():
+    """``run(f)``: calls ``f`` and returns the name of what it raised, as a notebook's cell runner
+    or a trainer's handler does, in a file the capture takes for installed code (the standard
+    library's folder: such a ``try`` does not make the step's ops run at once)."""
+    where = os.path.join(sysconfig.get_paths()["stdlib"], "_coexec_test_runner.py")
+    namespace: dict = {}
+    source = "def run(f):\n try:\n  f()\n except Exception as e:\n  return type(e).__name__\n"
+    exec(compile(source, where, "exec"), namespace)  # noqa: S102 (the test's own source)
+    return namespace["run"]
+
+
+def test_what_ops_run_ahead_wrote_after_a_failing_op_is_given_back() -> None:
+    """Adam's ``step_t += 1`` runs ahead of the worker (small real tensors); when an op queued
+    before it fails and the error is caught outside the program's code, the step counts must be
+    eager's, or every later update's bias correction differs."""
+    run = _runner_in_installed_code()
+    batches = [torch.tensor([1, 2, 3])] * 3 + [torch.tensor([1, 12, 3]), torch.tensor([4, 5, 6])]
+
+    def train(within):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+
+        def step(idx):
+            with within():
+                opt.zero_grad()
+                model(idx).mean().backward()
+                opt.step()
+
+        raised = [run(lambda idx=idx: step(idx)) for idx in batches]
+        return raised, _state(model, opt)
+
+    want_raised, want_state = train(contextlib.nullcontext)
+    tape = coexec.GradientTape()
+    got_raised, got_state = train(lambda: tape)
+    assert tape.backend == "native" and tape.stats.coexec_steps == 5
+    assert got_raised == want_raised == [None, None, None, "IndexError", None]
+    assert [float(t) for t in got_state if t.dim() == 0] == [4.0, 4.0, 4.0]  # (a step count per parameter)
+    for a, b in zip(got_state, want_state):
+        assert torch.equal(a, b)
