@@ -63,7 +63,7 @@ class _Handler(NamedTuple):
 _NONE = _Handler(False, False)
 
 
-def try_scopes(code: CodeType, namespace: Mapping[str, Any] | None = None, depth: int = 0) -> TryScopes:
+def try_scopes(code: CodeType, namespace: Mapping[str, Any] | None = None) -> TryScopes:
     """``code``'s :class:`TryScopes` (empty before Python 3.11: no exception table). With
     ``namespace`` (the globals the code runs in), a clause's class named by a global (or a
     module's attribute, ``coexec.BudgetTooSmall``) is looked up there."""
@@ -92,7 +92,7 @@ def try_scopes(code: CodeType, namespace: Mapping[str, Any] | None = None, depth
         """What the first handler that may catch, on the chain from ``target``, does."""
         if target in known:
             return known[target]
-        found = _handler(instructions, at, cleanup_of, at.get(target), namespace, depth)
+        found = _handler(instructions, at, cleanup_of, at.get(target), namespace)
         if not found.catches and target not in seen:
             outer = entry_at(target)
             found = _NONE if outer is None else reached(outer.target, seen | {target})
@@ -126,7 +126,6 @@ def _handler(
     cleanup_of: Callable[[int], int | None],
     i: int | None,
     namespace: Mapping[str, Any] | None = None,
-    depth: int = 0,
 ) -> _Handler:
     """What the handler starting at instruction ``i`` does with an op's error. An ``except``
     handler starts with PUSH_EXC_INFO, then pops the exception (a bare ``except:``) or tests it
@@ -139,7 +138,7 @@ def _handler(
         return _NONE
     k = i + 1
     if instructions[k].opname == "WITH_EXCEPT_START":
-        return _Handler(True, True) if _with_may_swallow(instructions, i, namespace, depth) else _NONE
+        return _Handler(True, True) if _with_may_swallow(instructions, i, namespace) else _NONE
     clauses = 0
     catches = swallows = False
     for _ in range(256):  # (clauses of one try)
@@ -176,9 +175,7 @@ def _handler(
     return _Handler(True, True)
 
 
-def _with_may_swallow(
-    instructions: list[dis.Instruction], i: int, namespace: Mapping[str, Any] | None, depth: int = 0
-) -> bool:
+def _with_may_swallow(instructions: list[dis.Instruction], i: int, namespace: Mapping[str, Any] | None) -> bool:
     """May the ``with`` whose exit handler starts at instruction ``i`` swallow an op's error? Its
     manager is read from the code: the ``with`` is found by the source span its BEFORE_WITH and
     its handler share, the manager's callee is the call before BEFORE_WITH (its first load and
@@ -211,20 +208,18 @@ def _with_may_swallow(
             if path[-1] == "suppress":  # (not known here: may be contextlib's)
                 return True
             continue
-        if _may_swallow(found, depth):
+        if _may_swallow(found):
             return True
     return False
 
 
-def _may_swallow(manager: object, depth: int = 0) -> bool:
+def _may_swallow(manager: object) -> bool:
     """May a ``with`` over what ``manager`` makes when called swallow an error? A class: it is
     ``contextlib.suppress`` or a subclass, or its ``__exit__`` is Python code that may return
     something other than None or False (``ExitStack``'s may). A ``@contextlib.contextmanager``
     function: its generator may catch and swallow around a ``yield`` (``try: yield / except
     RuntimeError: log(...)``). torch's managers and those written in C (files, locks) do not
     swallow; anything else called (a function that returns a manager) is not seen."""
-    if depth > 4:
-        return True
     if isinstance(manager, type):
         if issubclass(manager, contextlib.suppress):
             return True
@@ -241,7 +236,9 @@ def _may_swallow(manager: object, depth: int = 0) -> bool:
     gen = getattr(wrapped, "__code__", None)
     if gen is None or not gen.co_flags & inspect.CO_GENERATOR:
         return False
-    scopes = try_scopes(gen, getattr(wrapped, "__globals__", None), depth + 1)
+    # (without its globals: its except classes by builtin name, its own withs over suppress by
+    # name, so no manager it uses is looked into in turn)
+    scopes = try_scopes(gen)
     yields = [ins.offset for ins in dis.get_instructions(gen) if ins.opname == "YIELD_VALUE"]
     return any(s <= y < t for y in yields for s, t in scopes.swallowing)
 

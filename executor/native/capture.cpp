@@ -727,24 +727,6 @@ class Capture {
     throw py::error_already_set();
   }
 
-  // Before an op runs ahead: the storages it writes, as they are (small real ones: runs_ahead).
-  void keep_ahead_writes(const c10::FunctionSchema& schema, Args args) {
-    const auto& formals = schema.arguments();
-    for (size_t i = 0; i < formals.size() && i < args.size(); ++i) {
-      const auto* alias = formals[i].alias_info();
-      if (alias == nullptr || !alias->isWrite() || !args[i].isTensor()) continue;
-      const at::Tensor& t = args[i].toTensor();
-      if (!t.defined() || is_ph(t)) continue;
-      c10::StorageImpl* st = t.storage().unsafeGetStorageImpl();
-      const size_t n = st->nbytes();
-      if (n > static_cast<size_t>(kAheadBytes) || st->data() == nullptr) continue;
-      AheadWrite w{static_cast<int64_t>(places_.size()) - 1, c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(st), {}};
-      w.bytes.resize(n);
-      std::memcpy(w.bytes.data(), st->data(), n);
-      ahead_writes_.push_back(std::move(w));
-    }
-  }
-
   // A queued op at place `failed` failed: what ops run ahead after it wrote is given back, the
   // latest first (eager never ran them).
   void give_back_ahead_writes(int64_t failed) {
@@ -996,6 +978,22 @@ class Capture {
     if (queued_small_.count(s) == 0)  // (the tensor holding it is alive: the copy is safe)
       queued_small_.emplace(s, c10::weak_intrusive_ptr<c10::StorageImpl>(
                                    c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(const_cast<c10::StorageImpl*>(s))));
+  }
+
+  // Before an op that writes runs ahead: the small storages it touches, as they are (the ones
+  // answer()'s pass over its arguments found, lists included; those it only reads come back
+  // unchanged).
+  void keep_ahead_writes(const c10::FunctionSchema& schema, const SmallArgs& small) {
+    if (!schema.is_mutable()) return;
+    const int64_t place = static_cast<int64_t>(places_.size()) - 1;
+    for (const c10::StorageImpl* s : small.storages) {
+      auto* st = const_cast<c10::StorageImpl*>(s);
+      if (st->data() == nullptr) continue;
+      AheadWrite w{place, c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(st), {}};
+      w.bytes.resize(st->nbytes());
+      std::memcpy(w.bytes.data(), st->data(), st->nbytes());
+      ahead_writes_.push_back(std::move(w));
+    }
   }
 
   // Does the op run ahead: at once on this thread, without waiting for the worker? An op on
@@ -1540,7 +1538,7 @@ void Capture::answer(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     ++ahead_;
     if (g_debug) std::cerr << "coexec capture: (runs ahead) " << schema.name() << "." << schema.overload_name() << std::endl;
     extend_path(mix(d, cached->id ^ kAheadSalt));
-    keep_ahead_writes(schema, args);
+    keep_ahead_writes(schema, small);
     try {
       run_on_values(op, args, stack, included_before_);
     } catch (...) {

@@ -114,42 +114,34 @@ def skipped_a_frame_above(within, steps: int):
     return losses, _state(model, opt), caught
 
 
-def _update_then_fail(model, opt, idx, within, losses: list) -> None:
-    with within():
-        opt.zero_grad()
-        loss = model.out(model.emb(idx.clamp(max=99))).mean()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            model.emb.weight.mul_(0.5)
-            model.emb(idx)  # (out of range on every third batch)
-            model.out.bias.add_(1.0)
-        losses.append(loss)  # (the step's Python after the failing op: eager never runs it there)
+def _update_then_fail(model, opt, idx, losses: list) -> None:
+    """A step whose op fails after the optimizer's update (on every third batch): the update and
+    the in-place op before the failing one stay, the one after it and the Python after it never
+    run."""
+    opt.zero_grad()
+    loss = model.out(model.emb(idx.clamp(max=99))).mean()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        model.emb.weight.mul_(0.5)
+        model.emb(idx)  # (out of range on every third batch)
+        model.out.bias.add_(1.0)
+    losses.append(loss)  # (the step's Python after the failing op: eager never runs it there)
 
 
 def suppressed_after_the_update(within, steps: int):
-    """``with contextlib.suppress(IndexError):`` around the step in its own frame (no ``try`` in
-    any frame), the failing op after the optimizer's update: the update and the in-place op
-    before the failing one stay, the one after it and the step's Python after it never run."""
+    """``with contextlib.suppress(IndexError):`` around the step's ``with`` in its own frame (no
+    ``try`` in any frame)."""
     model, opt, batches = _make()
     losses, caught = [], 0
     for i in range(steps):
-        idx = batches[i % len(batches)]
         done = False
         with contextlib.suppress(IndexError):
             with within():
-                opt.zero_grad()
-                loss = model.out(model.emb(idx.clamp(max=99))).mean()
-                loss.backward()
-                opt.step()
-                with torch.no_grad():
-                    model.emb.weight.mul_(0.5)
-                    model.emb(idx)  # (out of range on every third batch)
-                    model.out.bias.add_(1.0)
+                _update_then_fail(model, opt, batches[i % len(batches)], losses)
                 done = True
         caught += not done
-        losses.append(loss.item())
-    return losses, _state(model, opt), caught
+    return [loss.item() for loss in losses], _state(model, opt), caught
 
 
 @contextlib.contextmanager
@@ -161,15 +153,15 @@ def _skipping_bad_batches():
 
 
 def skipped_by_a_manager_after_the_update(within, steps: int):
-    """The same failing step, called from a ``with`` over a ``@contextmanager`` of the program's
-    own that catches the error around its ``yield`` and goes on."""
+    """The step's ``with`` inside a ``@contextmanager`` of the program's own that catches the
+    error around its ``yield`` and goes on."""
     model, opt, batches = _make()
     losses, caught = [], 0
     for i in range(steps):
-        idx = batches[i % len(batches)]
         done = False
         with _skipping_bad_batches():
-            _update_then_fail(model, opt, idx, within, losses)
+            with within():
+                _update_then_fail(model, opt, batches[i % len(batches)], losses)
             done = True
         caught += not done
     return [loss.item() for loss in losses], _state(model, opt), caught
@@ -409,17 +401,19 @@ def _runner_in_installed_code():
     return namespace["run"]
 
 
-def test_what_ops_run_ahead_wrote_after_a_failing_op_is_given_back() -> None:
-    """Adam's ``step_t += 1`` runs ahead of the worker (small real tensors); when an op queued
-    before it fails and the error is caught outside the program's code, the step counts must be
-    eager's, or every later update's bias correction differs."""
+@pytest.mark.parametrize("foreach", [False, True])
+def test_what_ops_run_ahead_wrote_after_a_failing_op_is_given_back(foreach: bool) -> None:
+    """Adam's ``step_t += 1`` runs ahead of the worker (small real tensors; with ``foreach`` one
+    ``_foreach_add_`` over a list of them); when an op queued before it fails and the error is
+    caught outside the program's code, the step counts must be eager's, or every later update's
+    bias correction differs."""
     run = _runner_in_installed_code()
     batches = [torch.tensor([1, 2, 3])] * 3 + [torch.tensor([1, 12, 3]), torch.tensor([4, 5, 6])]
 
     def train(within):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
-        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, foreach=foreach)
 
         def step(idx):
             with within():
@@ -431,7 +425,8 @@ def test_what_ops_run_ahead_wrote_after_a_failing_op_is_given_back() -> None:
         return raised, _state(model, opt)
 
     want_raised, want_state = train(contextlib.nullcontext)
-    tape = coexec.GradientTape()
+    # (a key per case: on the default backend a `with` line's statistics count every tape's steps)
+    tape = coexec.GradientTape(key=("give back", foreach))
     got_raised, got_state = train(lambda: tape)
     assert tape.backend == "native" and tape.stats.coexec_steps == 5
     assert got_raised == want_raised == [None, None, None, "IndexError", None]
