@@ -32,7 +32,8 @@ from executor import ExecutorDied, ExecutorError, ExecutorTimeout, RunAhead, nat
 from planner import BudgetTooSmall, PathInput, Schedule, format_bytes, plan_program
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
-from tracegraph.reasons import FallbackReason, why_new
+from tracegraph.recorder import loops_around
+from tracegraph.reasons import UNTRACED, FallbackReason, why_new
 
 from . import collector, observe, programs, runtime
 from .host_memory import keep_freed_host_memory
@@ -43,6 +44,7 @@ from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
 from .gradients import GradientBlocks, SavedTensors
 from .native_plans import NativeBudget
+from .native_traces import NativeTraces
 from .placeholder import install_for_placeholders
 from .skeleton import Session, Skeleton, raise_executor_error
 
@@ -162,6 +164,7 @@ class Program:
         self.arena_outs: dict = {}  # its arena placements per op (Session.arena_outs)
         self.gradient_blocks = GradientBlocks()  # its backward calls' blocks
         self.native_budget: NativeBudget | None = None  # under a budget on the native backend
+        self.native_traces = NativeTraces()  # which native steps are traced (coexec/native_traces.py)
         self.budget: int | None = None
         self.state_bytes = 0  # the state its latest step found: a budgeted step's guard counts it
         self.site_bytes: dict = {}  # under a budget, per site the most its op made in the planned steps
@@ -346,6 +349,7 @@ class Program:
             f.cancel()
         self.futures, self.latest = [], None
         self.graph = TraceGraph()
+        self.native_traces = NativeTraces()
         self.paths, self.path_steps = [], []
         self.plan = PlanRequest(0, (), None, None, False)
         self.schedule, self.arena, self.block_index = None, None, None
@@ -493,7 +497,9 @@ class GradientTape:
             if native.unavailable():
                 self._leave_native()
         if self.backend == "native":
-            self._step = _NativeStep(self._native_program(key, frame), self.debug, self.memory_budget)
+            self._step = _NativeStep(
+                self._native_program(key, frame), frame, self.max_traces, self.debug, self.memory_budget
+            )
             _local.tape = self
             return self
         fam = programs.family(key, named, frame.f_code, lambda: _describe(frame))
@@ -694,6 +700,14 @@ class GradientTape:
             )
 
 
+UNTRACED_LINES = FallbackReason(
+    UNTRACED,
+    "it called ops from a line no traced step had (a branch not traced yet), and it was not traced: the "
+    "steps after it are, until one meets such a line",
+    "",
+)
+
+
 def _describe(frame: Any) -> str:
     cid = CODES.code_id(frame.f_code)
     return CODES.describe_frame((cid, frame.f_lasti)) if cid > 0 else frame.f_code.co_name
@@ -810,7 +824,9 @@ class _NativeStep:
     why = None  # (it never falls back: an op the capture cannot answer runs at once)
     rec = None
 
-    def __init__(self, program: Program, debug: bool = False, budget: int | None = None) -> None:
+    def __init__(
+        self, program: Program, frame: Any, max_traces: int, debug: bool = False, budget: int | None = None
+    ) -> None:
         self.program = program
         self.debug = debug
         # (one step is captured at a time in a process: one beside another thread's runs eagerly)
@@ -821,6 +837,8 @@ class _NativeStep:
         self.c0 = None
         self.scope = None
         self.budget: NativeBudget | None = None
+        self.traced = False
+        self.outside_loops: frozenset = frozenset()
         if self.capture is None:
             return
         try:
@@ -834,6 +852,10 @@ class _NativeStep:
             else:
                 self.capture.follow(None)
             self.c0 = self.capture.counters
+            if program.native_traces.wants_trace(max_traces):
+                self.traced = True
+                self.outside_loops = loops_around(frame)
+                self.capture.trace_next()
             self.scope = self.capture.step()
             if not self.scope.try_enter():  # (a Capture of executor.capture's own in another thread)
                 self.capture, self.scope, self.budget = None, None, None
@@ -846,20 +868,47 @@ class _NativeStep:
     def end(self, error: BaseException | None) -> None:
         """The step's end: its values computed, a failure on the worker raised (unless the step
         raised already), the program's statistics updated."""
+        failed = error is not None
         try:
             if self.scope is not None:
                 if error is None:
-                    self.scope.__exit__(None, None, None)
+                    try:
+                        self.scope.__exit__(None, None, None)
+                    except BaseException:
+                        failed = True
+                        raise
                 else:
                     self.scope.__exit__(type(error), error, error.__traceback__)
         finally:
             try:
                 self._count()
+                if self.scope is not None:
+                    self._trace(failed)
                 if self.budget is not None and error is None:
                     self.budget.after(self.capture, native.wait(), self.program.stats)
             finally:
                 if self.capture is not None:
                     runtime.release_capture()
+
+    def _trace(self, failed: bool) -> None:
+        """A traced step's trace into the program's graph; an untraced one's path noted."""
+        program, traces = self.program, self.program.native_traces
+        if not self.traced:
+            if traces.untraced(self.capture):
+                self.why = UNTRACED_LINES
+            return
+        changed, why, not_merged = traces.traced_step(
+            self.capture, program.graph, self.outside_loops, failed, self.debug or bool(observe.observers)
+        )
+        program.stats.traces += changed
+        if changed:
+            self.why = why  # (python -m tracegraph show --record: a new trace, and why)
+        if self.debug:
+            step = program.stats.steps - 1
+            if not_merged:
+                _log(program, f"step {step} was traced, its trace not merged: {not_merged}")
+            elif why is not None:
+                _log(program, f"step {step}: new trace: {why.message}")
 
     def _count(self) -> None:
         s = self.program.stats

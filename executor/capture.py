@@ -53,6 +53,7 @@ import torch
 
 from executor import native
 from executor.engine_watch import PythonWatch
+from executor.step_log import CapturedStep, step_of
 from executor.step_plans import DescribedOp, DropPlan, StepDescription
 from executor.tracebacks import traceback_through
 from executor.try_scopes import try_scopes
@@ -91,6 +92,14 @@ class CaptureCounters(NamedTuple):
     overruns: int  # ops before which it could not drop enough to stay within its cap
     eager_rests: int  # steps that called a ``torch.compile``d region: eager from it to their end
     ran_ahead: int  # ops on small real tensors run on the step's thread without waiting (Adam's step count)
+
+
+class StepLines(NamedTuple):
+    """The user lines (where a step's ops were called) traced steps had not met: a step that met
+    one may have gone where the TraceGraph has not (coexec/native_traces.py)."""
+
+    untraced: int  # lines of an untraced step that no traced step had met
+    newly_traced: int  # lines a traced step met first
 
 
 class Capture:
@@ -141,6 +150,19 @@ class Capture:
         return StepDescription(
             described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive)
         )
+
+    def trace_next(self) -> None:
+        """Log the next step's ops for its trace: :meth:`take_trace` after it."""
+        self._c.trace_next()
+
+    def take_trace(self) -> CapturedStep:
+        """The last traced step's log (``tracegraph.from_capture`` makes it a Trace)."""
+        return step_of(self._c.take_trace())
+
+    @property
+    def lines(self) -> StepLines:
+        """The last step's user lines (where its ops were called) that no traced step had met."""
+        return StepLines(*self._c.lines)
 
     def follow(self, plan: DropPlan | None) -> None:
         """Follow ``plan`` from the next step on (None: no plan)."""
@@ -311,6 +333,8 @@ class _Waiting:
         self.originals = [(vars(owner), {n: getattr(owner, n) for n in w}) for owner, w in wrappers.items()]
 
     def _wrap(self, original: Callable, realize_first: bool) -> Callable:
+        name = original.__name__  # (a traced step's fetch says which read it was)
+
         @functools.wraps(original)
         def waiting(*args, **kwargs):
             if (
@@ -319,7 +343,7 @@ class _Waiting:
                 return original(*args, **kwargs)
             c = self.capture
             if realize_first:
-                c.realize(args[0])
+                c.realize(args[0], name)
             else:
                 c.wait()
             c.pause()

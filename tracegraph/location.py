@@ -17,6 +17,7 @@ import os
 import sys
 import types
 from bisect import bisect_right
+from typing import Any
 
 Frame = tuple[int, int]
 Location = tuple[Frame, ...]
@@ -37,7 +38,7 @@ _SKIP = 0  # code id of frames that are plumbing (ours, torch's mode dispatch), 
 
 _here = os.path.dirname(os.path.abspath(__file__))
 _root = os.path.dirname(_here)
-_SKIP_PREFIXES = tuple(os.path.join(_root, pkg) + os.sep for pkg in ("tracegraph", "coexec"))
+_SKIP_PREFIXES = tuple(os.path.join(_root, pkg) + os.sep for pkg in ("tracegraph", "coexec", "executor"))
 # the fuzzer's generated programs are user code, though they live in the coexec package
 _USER_PREFIXES = (os.path.join(_root, "coexec", "fuzz") + os.sep,)
 
@@ -122,6 +123,20 @@ class CodeTable:
                 break
             f = f.f_back
         out.reverse()
+        return tuple(out)
+
+    def location_of(self, frames: Any) -> Location:
+        """The location of a stack given as ``(code, offset)`` pairs, innermost first, ending
+        at the recording's frame (a native step's log, ``from_capture.py``)."""
+        out: list[Frame] = []
+        calls = self._calls
+        for code, off in reversed(frames):
+            cid = self.code_id(code)
+            if cid:
+                canon = calls.get(cid)
+                if canon is not None:
+                    off = canon.get(off, off)
+                out.append((cid, off))
         return tuple(out)
 
     # -- loops ----------------------------------------------------------------------------

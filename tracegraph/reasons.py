@@ -32,6 +32,7 @@ NEW_OP = "new op"  # code the graph has never run
 LOOP = "loop"  # a new loop, or an iteration that ends elsewhere
 FIRST = "first"  # the first trace of a program: nothing to compare with
 OTHER = "other"  # reasons given by the runtime (an in-place view op, a caught error, ...)
+UNTRACED = "untraced"  # a native step not traced took a path no traced step took
 
 
 class FallbackReason(NamedTuple):

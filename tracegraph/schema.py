@@ -89,7 +89,11 @@ class TensorMeta(NamedTuple):
         layout = t.layout
         stride = t.stride() if layout is _STRIDED else None
         bits = t.is_conj() | (t.is_neg() << 1)
-        meta = _tuple_new(TensorMeta, (t.shape, t.dtype, t.device, layout, stride, t.requires_grad, bits))
+        return TensorMeta.interned(_tuple_new(TensorMeta, (t.shape, t.dtype, t.device, layout, stride, t.requires_grad, bits)))
+
+    @staticmethod
+    def interned(meta: "TensorMeta") -> "TensorMeta":
+        """The one object equal to ``meta``."""
         found = _METAS.get(meta)
         if found is None:
             if len(_METAS) >= _METAS_MAX:  # sizes that vary without end: start again
@@ -263,6 +267,10 @@ def hashable(v: Any) -> Any:
         # by size, as a tensor by its metadata: each call makes a new Python object for the
         # same storage, and one does not pickle back (the planning process failed on it)
         return ("storage", v.device, v.nbytes())
+    if isinstance(v, torch.ScriptObject):
+        # (a process group the native capture passes to a collective: TorchScript objects hash
+        # but do not compare)
+        return ("script object", v._type().qualified_name())
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return hashable(v.node.pytype(v))  # pragma: no cover - no symbolic values in eager
     try:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from .reasons import UNTRACED
 from .summary import CONVERGED, converged_at
 
 
@@ -76,6 +77,8 @@ def _verdict(r: Any) -> str:
         return "covered: co-executes from the next step"
     if r.fell_back:
         return f"fell back: {r.reason.message}"
+    if r.reason.category == UNTRACED:
+        return f"new path, not traced: {r.reason.message}"
     return f"new trace: {r.reason.message}"
 
 

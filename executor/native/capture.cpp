@@ -77,6 +77,7 @@
 #include "capture_cache.h"
 #include "capture_placeholders.h"
 #include "capture_shapes.h"
+#include "capture_trace.h"
 #include "capture_worker.h"
 #include "cpu_bytes.h"
 
@@ -242,6 +243,13 @@ class Capture {
     find_step_frame();
     describing_ = describe_next_ && worker_ != nullptr;
     describe_next_ = false;
+    tracing_ = trace_next_;
+    trace_next_ = false;
+    if (!trace_.empty()) trace_.clear();  // (a log not taken: an untraced step clears nothing)
+    last_user_ = Where{nullptr, -1};
+    untraced_lines_ = newly_traced_lines_ = 0;
+    if (traced_lines_.size() > kMaxLocations) traced_lines_.clear();
+    shadow_ = Shadow{};
     if (describing_) {
       std::lock_guard<std::mutex> g(g_released_mu);
       g_released.clear();
@@ -315,6 +323,7 @@ class Capture {
   // the thread's keys as pause() takes it, not resumed until the step ends.
   void run_rest_eagerly() {
     if (!stepping() || eager_rest_) return;
+    if (tracing_) trace_.cut("a torch.compile'd region ran in the step (its ops from there on ran eagerly, unlogged)");
     if (recording_) refuse("a torch.compile'd region ran in the backward");
     if (mode_ == Mode::kReplay) replay();
     drain();
@@ -339,8 +348,9 @@ class Capture {
 
   // A tensor's value now: the worker catches up (a real tensor may be waiting for a write too:
   // ``rand`` fills an ``empty`` made at once), and a placeholder becomes its value in place.
-  void realize(const at::Tensor& t) {
+  void realize(const at::Tensor& t, const std::string& kind) {
     wait();
+    if (tracing_) trace_.fetch(t, kind, frames_now());
     if (is_ph(t) && describing_ && impl_of(t)->slot) worker_->last_log().fetched.push_back(impl_of(t)->slot->id);
     if (is_ph(t)) impl_of(t)->realize();
   }
@@ -390,6 +400,37 @@ class Capture {
 
   // Why the latest backward() ran the engine ("" if a block answered it).
   const std::string& backward_why() const { return backward_why_; }
+
+  // -- traces (capture_trace.h) --
+
+  // The next step is traced: take_trace() after it says what it did.
+  void trace_next() { trace_next_ = true; }
+  bool tracing() const { return tracing_; }
+
+  // The last traced step's log (TraceLog::to_python), let go of here.
+  py::tuple take_trace() {
+    py::tuple out = trace_.to_python();
+    trace_.clear();
+    return out;
+  }
+
+  // The last step's user lines (where its ops were called) that no traced step had met, and,
+  // traced, those it met first: (untraced, newly traced).
+  py::tuple lines() const { return py::make_tuple(untraced_lines_, newly_traced_lines_); }
+
+  // answer() (or run_sparse()), with what the op did logged for the step's trace.
+  void answer_traced(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool sparse) {
+    const size_t nargs = op.schema().arguments().size();
+    const size_t at = trace_.begin_op(op, torch::jit::last(*stack, nargs), frames_now());
+    const size_t places = places_.size();
+    if (sparse)
+      run_sparse(op, stack);
+    else
+      answer(op, stack);
+    const bool in_try = outer_try_ || (places_.size() > places && places_[places].in_try);
+    const size_t nret = op.schema().returns().size();
+    trace_.end_op(at, in_try, torch::jit::last(*stack, nret));
+  }
 
   // -- memory plans (capture_worker.h: StepLog, Drops) --
 
@@ -585,6 +626,43 @@ class Capture {
   std::shared_ptr<const Drops> drops_;
   bool describe_next_ = false, describing_ = false, followed_ = false, outgrew_ = false;
   std::vector<uint64_t> alive_;  // (described) values Python held at the step's end
+  // traces
+  bool trace_next_ = false, tracing_ = false;
+  TraceLog trace_;
+  // the user's lines (the innermost frame outside torch and coexec, where an op was called) a
+  // traced step met: a step not traced that meets another may have gone where the TraceGraph
+  // has not (coexec/native_traces.py). Looked up where an op's line is not the op before's.
+  std::unordered_map<Where, bool, WhereHash> traced_lines_;
+  Where last_user_{nullptr, -1};
+  int64_t untraced_lines_ = 0, newly_traced_lines_ = 0;  // (this step's)
+
+  void note_user_place(const Place& place) {
+    last_user_ = Where{place.user, place.user_lasti};
+    if (tracing_) {
+      if (traced_lines_.emplace(last_user_, true).second) ++newly_traced_lines_;
+    } else if (traced_lines_.count(last_user_) == 0) {
+      ++untraced_lines_;
+    }
+  }
+  // a traced step's backward that a block would have replayed (backward_begin)
+  struct Shadow {
+    bool active = false;
+    size_t path_len = 0;
+    uint64_t path_hash = 0, block = 0;
+  } shadow_;
+
+  // This thread's Python frames from the innermost to the step's ``with`` frame (a trace's
+  // locations are made of them, tracegraph/from_capture.py).
+  TracedFrames frames_now() {
+    TracedFrames out;
+    std::optional<py::gil_scoped_acquire> gil;
+    each_frame(kUserDepth, gil, [&](const void* frame, PyCodeObject* code, int lasti, const auto& globals_of) {
+      facts(code, globals_of, gil);  // (held from now on)
+      out.emplace_back(code, lasti);
+      return frame == step_frame_;
+    });
+    return out;
+  }
   struct Recording {
     Block block;
     size_t path_len = 0;
@@ -871,6 +949,7 @@ class Capture {
     }
     if (place.code != nullptr) k.where = Where{place.code, place.lasti};
     add_place(place);
+    if (place.user != last_user_.code || place.user_lasti != last_user_.lasti) note_user_place(place);
     auto& seen = seen_[k.where];
     if (seen.second != steps_) seen = {0, steps_};
     k.nth = seen.first++;
@@ -1124,6 +1203,13 @@ int Capture::backward_begin(const at::Tensor& loss, const std::vector<at::Tensor
   const auto bucket = blocks_.find(path_hash_);
   for (Block& b : bucket != blocks_.end() ? bucket->second : no_blocks_) {
     if (b.graph != w.digest || b.path != path_ || b.inputs != leaf_of) continue;
+    if (tracing_ && b.why_not.empty()) {
+      // (a traced step runs the engine, its ops logged one by one; its path then goes on as a
+      // replay's would, so that a traced step's path is an untraced one's: backward_end)
+      shadow_ = Shadow{true, path_.size(), path_hash_, b.id};
+      backward_why_ = "the step is traced (its backward's ops are logged one by one)";
+      return kRecord;
+    }
     // (met again: worth its making, or its refusal; the blocks made at its line before it that
     // were not used are forgiven: a sweep's next model at one train() line makes its own)
     auto met = [&] {
@@ -1258,6 +1344,15 @@ void Capture::record(const c10::OperatorHandle& op, const Entry& e, Args args, b
 
 void Capture::backward_end(bool ok, const std::string& python, bool again,
                            const std::vector<std::optional<at::Tensor>>& results) {
+  if (shadow_.active) {
+    shadow_.active = false;
+    if (ok) {
+      path_.resize(shadow_.path_len);
+      path_hash_ = shadow_.path_hash;
+      extend_path(mix(0xB10C, shadow_.block));
+    }
+    return;
+  }
   if (!recording_) return;
   recording_ = false;
   // not watched (a profiler), or refused for an op new at its line: no block, nor counted; the
@@ -1660,7 +1755,10 @@ void sparse_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
     outside(op, stack);
     return;
   }
-  c->run_sparse(lasting(op), stack);
+  if (c->tracing())
+    c->answer_traced(lasting(op), stack, true);
+  else
+    c->run_sparse(lasting(op), stack);
 }
 
 // After a torch.compile'd region began (Capture::run_rest_eagerly): below the capture, at once
@@ -1688,7 +1786,10 @@ void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stac
   }
   const bool timed = c->timed_now();
   const auto t0 = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
-  c->answer(lasting(op), stack);
+  if (c->tracing())
+    c->answer_traced(lasting(op), stack, false);
+  else
+    c->answer(lasting(op), stack);
   // (kernel_ns_ is the capture's, updated only on its step's thread)
   if (timed) c->add_kernel_ns(ns_since(t0) * kTimedEvery);
 }
@@ -1707,13 +1808,16 @@ void bind_capture(py::module_& m) {
       .def("pause", &Capture::pause)
       .def("resume", &Capture::resume)
       .def("run_rest_eagerly", &Capture::run_rest_eagerly)
-      .def("realize", &Capture::realize)
+      .def("realize", &Capture::realize, py::arg("t"), py::arg("kind") = "tensor")
       .def("wait", &Capture::wait)
       .def("replay", &Capture::replay)
       .def("backward_begin", &Capture::backward_begin)
       .def("backward_end", &Capture::backward_end)
       .def("take_grads", &Capture::take_grads)
       .def("describe_next", &Capture::describe_next)
+      .def("trace_next", &Capture::trace_next)
+      .def("take_trace", &Capture::take_trace)
+      .def_property_readonly("lines", &Capture::lines)
       .def("description", &Capture::description)
       .def("set_drops", &Capture::set_drops)
       .def("clear_drops", &Capture::clear_drops)

@@ -134,3 +134,58 @@ def test_record_watches_the_tapes_of_a_script_run_as_main(tmp_path, capsys):
         "  not converged after 6 steps (3 co-executed steps in a row without fallback needed); "
         f"reasons: step 0: the first trace: the graph was empty; step 4: {size}"
     )
+
+
+NATIVE_SCRIPT = '''\
+import torch
+
+import coexec
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(4, 1, requires_grad=True)
+    tape = coexec.GradientTape(backend="native")
+    for step in range(100):
+        with tape:
+            x = torch.ones(8, 4)
+            h = x @ w
+            if step == 5:
+                h = h.sin()
+            loss = h.pow(2).mean()
+            loss.backward()
+            with torch.no_grad():
+                w.sub_(w.grad * 0.1)
+            w.grad = None
+        print(f"loss {loss.item():.4f}")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_record_reports_the_native_backends_traces(tmp_path, capsys):
+    from executor import native
+
+    if native.wait() is None:
+        pytest.skip("the native module is not available")
+    script = tmp_path / "native_loop.py"
+    script.write_text(NATIVE_SCRIPT)
+    assert main(["show", "--record", str(script), "--steps", "12"]) == 0
+    out = capsys.readouterr().out
+    report = out[out.index("stopped after") :].splitlines()
+    assert report[:3] == [
+        "stopped after 12 steps (--steps 12)",
+        f"with at {tmp_path.name}/native_loop.py:11 (main):",
+        "  step   0  coexec   new trace: the first trace: the graph was empty",
+    ]
+    # steps 1-3 traced and covered; step 5, untraced, took a new branch (ops called from a line
+    # no traced step had), which the traced steps after it look for in vain
+    untraced = (
+        "new path, not traced: it called ops from a line no traced step had (a branch not traced yet), "
+        "and it was not traced: the steps after it are, until one meets such a line"
+    )
+    assert report[3:] == [f"  step {i:>3}  coexec   covered" for i in range(1, 5)] + [
+        f"  step   5  coexec   {untraced}"
+    ] + [f"  step {i:>3}  coexec   covered" for i in range(6, 12)] + ["  converged at step 6"]
