@@ -858,6 +858,9 @@ class _NativeStep:
                 self.capture.trace_next()
             self.scope = self.capture.step()
             if not self.scope.try_enter():  # (a Capture of executor.capture's own in another thread)
+                if self.traced:
+                    self.capture.trace_next(False)
+                    self.traced = False
                 self.capture, self.scope, self.budget = None, None, None
                 self.phase, self.beside = "eager", True
                 runtime.release_capture()
@@ -891,7 +894,7 @@ class _NativeStep:
                     runtime.release_capture()
 
     def _trace(self, failed: bool) -> None:
-        """A traced step's trace into the program's graph; an untraced one's path noted."""
+        """A traced step's trace into the program's graph; an untraced one's new lines noted."""
         program, traces = self.program, self.program.native_traces
         if not self.traced:
             if traces.untraced(self.capture):

@@ -151,9 +151,10 @@ class Capture:
             described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive)
         )
 
-    def trace_next(self) -> None:
-        """Log the next step's ops for its trace: :meth:`take_trace` after it."""
-        self._c.trace_next()
+    def trace_next(self, on: bool = True) -> None:
+        """Log the next step's ops for its trace: :meth:`take_trace` after it (``on=False``: not,
+        after all)."""
+        self._c.trace_next(on)
 
     def take_trace(self) -> CapturedStep:
         """The last traced step's log (``tracegraph.from_capture`` makes it a Trace)."""

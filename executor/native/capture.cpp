@@ -404,7 +404,7 @@ class Capture {
   // -- traces (capture_trace.h) --
 
   // The next step is traced: take_trace() after it says what it did.
-  void trace_next() { trace_next_ = true; }
+  void trace_next(bool on) { trace_next_ = on; }
   bool tracing() const { return tracing_; }
 
   // The last traced step's log (TraceLog::to_python), let go of here.
@@ -1815,7 +1815,7 @@ void bind_capture(py::module_& m) {
       .def("backward_end", &Capture::backward_end)
       .def("take_grads", &Capture::take_grads)
       .def("describe_next", &Capture::describe_next)
-      .def("trace_next", &Capture::trace_next)
+      .def("trace_next", &Capture::trace_next, py::arg("on") = true)
       .def("take_trace", &Capture::take_trace)
       .def_property_readonly("lines", &Capture::lines)
       .def("description", &Capture::description)
