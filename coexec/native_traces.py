@@ -78,7 +78,7 @@ class NativeTraces:
             trace = trace_of(step, outside_loops)
             why = why_new(graph, trace) if explain else None
             changed = graph.merge_placed(trace).changed
-        except Exception as e:  # (a bug of ours: the step's values are eager's all the same)
+        except Exception as e:  # noqa: BLE001 (a bug of ours: the step's values are eager's all the same)
             self.broken = f"{type(e).__name__}: {e}"
             warnings.warn(
                 f"coexec: a native step's trace could not be merged into its TraceGraph ({self.broken}); "

@@ -32,20 +32,20 @@ from executor import ExecutorDied, ExecutorError, ExecutorTimeout, RunAhead, nat
 from planner import BudgetTooSmall, PathInput, Schedule, format_bytes, plan_program
 from tracegraph import Cursor, Recorder, TraceGraph
 from tracegraph.location import CODES
-from tracegraph.recorder import loops_around
 from tracegraph.reasons import UNTRACED, FallbackReason, why_new
+from tracegraph.recorder import loops_around
 
 from . import collector, observe, programs, runtime
-from .host_memory import keep_freed_host_memory
 from .arena import iterations, sites, writable_ops
 from .blocks import BlockIndex
 from .causes import max_traces_message
-from .planning import PLANNER, PlanRequest, PlanResult
 from .errors import CoexecUsageError
 from .gradients import GradientBlocks, SavedTensors
+from .host_memory import keep_freed_host_memory
 from .native_plans import NativeBudget
 from .native_traces import NativeTraces
 from .placeholder import install_for_placeholders
+from .planning import PLANNER, PlanRequest, PlanResult
 from .skeleton import Session, Skeleton, raise_executor_error
 
 PHASES = ("tracing", "coexec", "eager")
@@ -59,7 +59,9 @@ class TapeStats:
     """What a program has done so far (shared by every tape of one ``with`` statement)."""
 
     steps: int = 0
-    traces: int = 0  # traces that added to the TraceGraph (tracing phase and fallbacks)
+    # traces that added to the TraceGraph (interpret: tracing phase and fallbacks; native: its
+    # traced steps, coexec/native_traces.py)
+    traces: int = 0
     fallbacks: int = 0  # co-executed steps that left the graph and finished eagerly
     coexec_steps: int = 0  # steps co-executed from start to end
     phase: str = "tracing"  # the phase the NEXT step runs in

@@ -113,12 +113,9 @@ class _Converter:
     def mirror(self, op_index: int) -> Location:
         m = self.mirrored.get(op_index)
         if m is None:
-            from .recorder import _gathers_from_loop
+            from .recorder import mirror_location
 
-            m = tuple((c, -o) for c, o in self.trace.ops[op_index].key.loc)
-            if _gathers_from_loop(self.trace, op_index):
-                m += ((RUN, 0),)
-            self.mirrored[op_index] = m
+            m = self.mirrored[op_index] = mirror_location(self.trace, op_index)
         return m
 
     def backward_location(self, op: CapturedOp, func: Any) -> tuple[Location, int | None]:

@@ -284,10 +284,7 @@ class Recorder:
         the list's length."""
         m = self.mirrored.get(op_index)
         if m is None:
-            m = tuple((c, -o) for c, o in self.trace.ops[op_index].key.loc)
-            if _gathers_from_loop(self.trace, op_index):
-                m += ((RUN, 0),)
-            self.mirrored[op_index] = m
+            m = self.mirrored[op_index] = mirror_location(self.trace, op_index)
         return m
 
     def _backward_location(self, node: Any, func: Any) -> tuple[Location, int | None]:
@@ -429,6 +426,14 @@ class Recorder:
     def on_fetch(self, kind: str, t: Any, loc: Location) -> None:
         vid = self.value_of(t) if isinstance(t, torch.Tensor) else None
         self.trace.fetches.append(Fetch(kind, vid, len(self.trace.ops), loc))
+
+
+def mirror_location(trace: Trace, op_index: int) -> Location:
+    """Where the gradient of forward op ``op_index`` runs (:meth:`Recorder._mirror`)."""
+    m = tuple((c, -o) for c, o in trace.ops[op_index].key.loc)
+    if _gathers_from_loop(trace, op_index):
+        m += ((RUN, 0),)
+    return m
 
 
 def _gathers_from_loop(trace: Trace, op_index: int) -> bool:
