@@ -690,8 +690,8 @@ class GradientTape:
 
     @property
     def graph(self) -> TraceGraph | None:
-        """The program's TraceGraph (for inspection: ``tape.graph.to_dot()``); empty on the
-        native backend, which traces nothing (``backend="interpret"`` builds it)."""
+        """The program's TraceGraph (for inspection: ``tape.graph.to_dot()``); on the native
+        backend made of its traced steps (coexec/native_traces.py)."""
         return self._program.graph if self._program is not None else None
 
     def _check_thread(self, what: str) -> None:
