@@ -374,7 +374,7 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
     out_metas = node.out_metas
     if node.sized:
         out_metas = t.out_metas if fed_same else sk.cursor.metas
-    out_bytes = t.out_bytes if out_metas == t.out_metas else tuple(_bytes(m) for m in out_metas)
+    out_bytes = t.out_bytes if out_metas == t.out_metas else tuple(m.span_bytes for m in out_metas)
     sk.append_op(rec, out_metas, out_bytes)
     if sk.mirrors is not None and sk.mirrors.ready is rec:
         sk.mirrors.mirror(rec, t.func, args, kwargs, [tensors[j] for j in t.sources], first)
@@ -404,13 +404,3 @@ def issue(sk: Skeleton, t: CallTemplate, sig: Signature, loc: Any) -> Any:
         trace.released[first + k] = index + 1  # made and let go of by the call
         session.dropped.append(first + k)
     return items[0] if t.result_type is None else t.result_type(items)
-
-
-def _bytes(meta: Any) -> int:
-    """The bytes a new tensor of ``meta`` spans (as ``tracegraph.recorder.storage_nbytes``
-    counts a placeholder's)."""
-    if any(s == 0 for s in meta.shape):
-        return 0
-    if meta.stride is None:
-        return meta.nbytes
-    return (1 + sum((s - 1) * abs(st) for s, st in zip(meta.shape, meta.stride))) * meta.dtype.itemsize

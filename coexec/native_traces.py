@@ -18,11 +18,11 @@ import warnings
 from typing import TYPE_CHECKING
 
 from tracegraph.from_capture import trace_of
+from tracegraph.reasons import FallbackReason, why_new
 
 if TYPE_CHECKING:
     from executor.capture import Capture
     from tracegraph import TraceGraph
-    from tracegraph.reasons import FallbackReason
 
 COVERED_IN_A_ROW = 3  # traced steps the graph covers, in a row, before tracing stops
 TRIES = 16  # traced steps that look for what an untraced step met
@@ -72,8 +72,6 @@ class NativeTraces:
             return False, None, "the step raised"
         if step.cut:
             return False, None, step.cut
-        from tracegraph.reasons import why_new
-
         try:
             trace = trace_of(step, outside_loops)
             why = why_new(graph, trace) if explain else None

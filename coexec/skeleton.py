@@ -944,17 +944,12 @@ def _returns(func: Any) -> tuple:
     if plan is None:
         sch = func._schema
         items = []
-        for r in sch.returns:
+        for k, r in enumerate(sch.returns):
             ty = r.type
             if isinstance(ty, torch.TensorType):
                 ai = r.alias_info
                 if ai is not None and ai.is_write:
-                    arg = next(
-                        i
-                        for i, a in enumerate(sch.arguments)
-                        if a.alias_info is not None and a.alias_info.before_set == ai.before_set
-                    )
-                    items.append(("w", arg))
+                    items.append(("w", schema_of(func).return_alias[k]))
                 else:
                     items.append(("t", -1))
             elif isinstance(ty, torch.ListType) and isinstance(ty.getElementType(), torch.TensorType):

@@ -54,15 +54,6 @@ def meta_of(t: CapturedTensor) -> TensorMeta:
     return TensorMeta.interned(TensorMeta(t.shape, t.dtype, _CPU, layout, t.stride, t.requires_grad, t.bits))
 
 
-def _span_bytes(t: CapturedTensor) -> int:
-    """The bytes a tensor's layout spans (a placeholder has no storage to ask)."""
-    if any(s == 0 for s in t.shape):
-        return 0
-    stride = t.stride if t.stride is not None else ()
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, stride))
-    return span * t.dtype.itemsize
-
-
 def trace_of(step: CapturedStep, outside_loops: frozenset = frozenset()) -> Trace:
     """The step's trace; ``outside_loops``: the loops around the ``with`` (``loops_around``)."""
     return _Converter(step, outside_loops).trace
@@ -148,7 +139,7 @@ class _Converter:
     # -- values ---------------------------------------------------------------------------
     def new_storage(self, t: CapturedTensor) -> int:
         sid = len(self.trace.storage_bytes)
-        self.trace.storage_bytes[sid] = _span_bytes(t)
+        self.trace.storage_bytes[sid] = meta_of(t).span_bytes
         return sid
 
     def new_value(self, producer: int | None, out_index: int, t: CapturedTensor, sid: int) -> int:
@@ -266,7 +257,7 @@ def _aliases(func: Any, op: CapturedOp, owner: list[int]) -> tuple[int | None, .
     for pos, t in enumerate(op.inputs):
         if t.storage:
             by_storage.setdefault(t.storage, pos)
-    schema = func._schema
+    return_alias = schema_of(func).return_alias
     first_of_arg: dict[int, int] = {}
     for pos, arg in enumerate(owner):
         first_of_arg.setdefault(arg, pos)
@@ -279,12 +270,7 @@ def _aliases(func: Any, op: CapturedOp, owner: list[int]) -> tuple[int | None, .
     out = []
     for t, r in zip(op.outputs, returns):
         a = by_storage.get(t.storage) if t.storage else None
-        if a is None:
-            info = schema.returns[r].alias_info
-            if info is not None:
-                for i, arg in enumerate(schema.arguments):
-                    if arg.alias_info is not None and arg.alias_info.before_set & info.before_set and i in first_of_arg:
-                        a = first_of_arg[i]
-                        break
+        if a is None and return_alias[r] is not None:
+            a = first_of_arg.get(return_alias[r])
         out.append(a)
     return tuple(out)

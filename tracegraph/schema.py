@@ -109,6 +109,16 @@ class TensorMeta(NamedTuple):
             n *= s
         return n * self.dtype.itemsize
 
+    @property
+    def span_bytes(self) -> int:
+        """Bytes a new tensor of this metadata spans: its layout's extent (a placeholder has no
+        storage to ask; as ``recorder.storage_nbytes`` counts one)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        if self.stride is None:
+            return self.nbytes
+        return (1 + sum((s - 1) * abs(st) for s, st in zip(self.shape, self.stride))) * self.dtype.itemsize
+
     def short(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         return f"{dt}[{','.join(map(str, self.shape))}]"
@@ -160,6 +170,9 @@ class OpSchema:
     data_dependent: bool  # the result is a Python value read from tensor data
     dynamic_shape: bool  # the output shape depends on tensor data
     inplace_view: bool  # changes its argument's metadata (sizes, strides) in place
+    # per schema return: the argument whose alias set it shares (a view, a written argument
+    # returned), or None
+    return_alias: tuple[int | None, ...] = ()
 
     def normalize(self, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor], list[int]]:
         """Arguments in schema order: ``(attrs, tensors, arg_index_of_each_tensor)``.
@@ -244,7 +257,18 @@ def _build(func: torch._ops.OpOverload) -> OpSchema:
         data_dependent=torch.Tag.data_dependent_output in tags,
         dynamic_shape=torch.Tag.dynamic_output_shape in tags or sch.name in _SHAPE_FROM_CPU_DATA,
         inplace_view=torch.Tag.inplace_view in tags,
+        return_alias=tuple(_aliased_argument(sch, r) for r in sch.returns),
     )
+
+
+def _aliased_argument(sch: Any, ret: Any) -> int | None:
+    info = ret.alias_info
+    if info is None:
+        return None
+    for i, a in enumerate(sch.arguments):
+        if a.alias_info is not None and a.alias_info.before_set == info.before_set:
+            return i
+    return None
 
 
 def hashable(v: Any) -> Any:

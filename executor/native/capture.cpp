@@ -689,6 +689,14 @@ class Capture {
     path_hash_ = mix(path_hash_, d);
   }
 
+  // The path since the first `len` ops (`hash` then) is block `id`'s replay: a backward whose
+  // ops the engine ran goes on as a replay of its block will.
+  void path_as_block(size_t len, uint64_t hash, uint64_t id) {
+    path_.resize(len);
+    path_hash_ = hash;
+    extend_path(mix(0xB10C, id));
+  }
+
   // A part of a path no other path has (an op new at its line, one on sparse tensors).
   uint64_t never_matched() { return ~next_entry_id_++; }
 
@@ -1346,11 +1354,7 @@ void Capture::backward_end(bool ok, const std::string& python, bool again,
                            const std::vector<std::optional<at::Tensor>>& results) {
   if (shadow_.active) {
     shadow_.active = false;
-    if (ok) {
-      path_.resize(shadow_.path_len);
-      path_hash_ = shadow_.path_hash;
-      extend_path(mix(0xB10C, shadow_.block));
-    }
+    if (ok) path_as_block(shadow_.path_len, shadow_.path_hash, shadow_.block);
     return;
   }
   if (!recording_) return;
@@ -1399,9 +1403,7 @@ void Capture::backward_end(bool ok, const std::string& python, bool again,
   if (b.why_not.empty() && results.size() != b.inputs.size()) b.why_not = "grad() returned another number of gradients";
   b.values = static_cast<uint32_t>(values_.size()) - b.first_value;
   if (b.why_not.empty()) {  // (the path goes on as a replay's will: the block in place of its ops)
-    path_.resize(rec_.path_len);
-    path_hash_ = rec_.path_hash;
-    extend_path(mix(0xB10C, b.id));
+    path_as_block(rec_.path_len, rec_.path_hash, b.id);
     backward_why_ = "its block was made";
   } else {
     b.ops.clear();

@@ -45,13 +45,7 @@ def branch_and_loop(s, i):
         h = torch.tanh(h) + 1.0
     for _ in range(2 + i % 3):
         h = torch.relu(s.body(h))
-    loss = F.mse_loss(s.out(h), y)
-    loss.backward()
-    with torch.no_grad():
-        for p in params(s):
-            p.add_(p.grad, alpha=-1e-2)
-            p.grad = None
-    return loss.detach()
+    return loss_and_update(s, s.out(h), y)
 
 
 def picks(steps: int) -> list[tuple[int, int]]:
@@ -128,7 +122,12 @@ def test_a_new_branch_met_in_an_untraced_step_is_looked_for_in_the_steps_after_i
 
 
 def static_rest(s, h, y):
-    loss = F.mse_loss(s.out(torch.relu(s.body(h))), y)
+    return loss_and_update(s, s.out(torch.relu(s.body(h))), y)
+
+
+def loss_and_update(s, out, y):
+    """The loss, its backward and a plain SGD update (no optimizer state: one path per branch)."""
+    loss = F.mse_loss(out, y)
     loss.backward()
     with torch.no_grad():
         for p in params(s):
