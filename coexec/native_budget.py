@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from executor.step_plans import DropPlan, StepDescription
-from planner import Access, BudgetTooSmall, PlanningGraph, RematPlan, StorageFacts, plan_remat, replay
+from executor.step_plans import DropPlan, Park, StepDescription
+from planner import Access, Bandwidth, BudgetTooSmall, PlanningGraph, RematPlan, StorageFacts, plan_remat, replay
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class NativeBudgetPlan:
     predicted_seconds: float  # the step's ops as the described step timed them, with the recomputation
     method: str  # how the plan was found (planner.RematPlan.method)
     planning_seconds: float
+    offloaded: int = 0  # storages parked in the host pool (offload=True)
 
 
 class NotPlannable(ValueError):
@@ -89,14 +90,35 @@ def drop_places(plan: RematPlan) -> dict[int, list[int]]:
 UNSEEN_BYTES = 4096
 
 
-def plan_native_budget(d: StepDescription, budget: int, time_limit: float = 10.0) -> NativeBudgetPlan:
+def parks(plan: RematPlan, values_of: dict[int, list[int]]) -> tuple[Park, ...]:
+    """The plan's offloaded storages as the worker parks them, by place: each copied out and
+    released after the op at its ``released`` position, copied back before the op at its
+    ``prefetch`` (so its device bytes are the plan's), each in its own slice of the host pool.
+    The worker copies on its own thread, so the copies' time is not hidden behind the compute
+    as the planner's prediction assumes."""
+    out, offset = [], 0
+    for o in sorted(plan.offloaded, key=lambda o: (o.released, o.sid)):
+        values = tuple(values_of.get(o.sid, ()))
+        if not values:
+            continue  # (no placeholder holds it: nothing the worker could park)
+        out.append(Park(values, plan.order[o.released], plan.order[o.prefetch - 1], offset, o.nbytes))
+        offset += o.nbytes
+    return tuple(out)
+
+
+def plan_native_budget(
+    d: StepDescription, budget: int, time_limit: float = 10.0, bandwidth: Bandwidth | None = None
+) -> NativeBudgetPlan:
     """The plan that keeps the described step's path within ``budget`` bytes (persistent state
-    included, UNSEEN_BYTES left free) at the least recomputation; raises
-    :class:`planner.BudgetTooSmall` naming the smallest budget a plan meets."""
+    included, UNSEEN_BYTES left free) at the least recomputation; with ``bandwidth`` (the host
+    copy channel's, offload=True), storages may be parked in the host pool instead of
+    recomputed. Raises :class:`planner.BudgetTooSmall` naming the smallest budget a plan meets."""
     g = planning_graph(d)
     random = {j for j, o in enumerate(d.ops) if o.random}  # (the worker does not replay generators)
     try:
-        plan: RematPlan = plan_remat(g, budget - UNSEEN_BYTES, time_limit=time_limit, banned=random)
+        plan: RematPlan = plan_remat(
+            g, budget - UNSEEN_BYTES, time_limit=time_limit, banned=random, bandwidth=bandwidth
+        )
     except BudgetTooSmall as e:
         raise BudgetTooSmall(budget, e.smallest + UNSEEN_BYTES, e.detail) from None
     values_of: dict[int, list[int]] = {}
@@ -116,9 +138,10 @@ def plan_native_budget(d: StepDescription, budget: int, time_limit: float = 10.0
         frozenset(keep),
         {place: tuple(vs) for place, vs in after.items()},
         tuple(value_bytes.get(v, 0) for v in range(1 + max(value_bytes, default=-1))),
+        parks(plan, values_of),
     )
     base = replay(g, plan.order, check_order=False)
     return NativeBudgetPlan(
         drops, budget, base.peak, plan.peak, g.persistent_bytes, len(plan.dropped),
-        plan.extra_seconds, plan.predicted_seconds, plan.method, plan.seconds,
+        plan.extra_seconds, plan.predicted_seconds, plan.method, plan.seconds, len(drops.parks),
     )  # fmt: skip

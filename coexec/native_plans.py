@@ -3,7 +3,8 @@ the background, the plan the capture follows, and what each step measured.
 
 The first steps run unplanned (the capture meets their ops); the third is described
 (``Capture.describe_next``) and planned in a child process (``coexec/native_budget.py``; a plan
-takes the planner's Python, which would share the GIL with the steps here); the steps after the
+takes the planner's Python, which would share the GIL with the steps here; with ``offload=True``
+it may park storages in the host pool too, at the copy bandwidth measured once per process); the steps after the
 plan arrives follow it (``Capture.follow``). A step that leaves the plan's path (another op
 where the plan expects one) is counted; after two such steps in a row, one is described again
 and planned anew, at most every 16 steps. Where sizes change (a length drawn per step) a plan
@@ -42,7 +43,7 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 from executor.step_plans import StepDescription
-from planner import BudgetTooSmall, format_bytes
+from planner import Bandwidth, BudgetTooSmall, format_bytes
 
 from .native_budget import NativeBudgetPlan, plan_native_budget
 from .plan_process import _child_path, _read, _write
@@ -64,7 +65,7 @@ class _PlanChild:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
-    def plan(self, d: StepDescription, budget: int) -> NativeBudgetPlan:
+    def plan(self, d: StepDescription, budget: int, bandwidth: Bandwidth | None) -> NativeBudgetPlan:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 env = {**os.environ, "PYTHONPATH": _child_path()}
@@ -72,7 +73,7 @@ class _PlanChild:
                     [sys.executable, "-m", "coexec.native_plan_child"],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                 )  # fmt: skip
-            _write(self._proc.stdin, pickle.dumps((d, budget), protocol=pickle.HIGHEST_PROTOCOL))
+            _write(self._proc.stdin, pickle.dumps((d, budget, bandwidth), protocol=pickle.HIGHEST_PROTOCOL))
             ok, value = pickle.loads(_read(self._proc.stdout))
         if not ok:
             raise value
@@ -110,7 +111,7 @@ def wait_for_native_plans(timeout: float | None = None) -> bool:
     return not not_done
 
 
-def _submit(d: StepDescription, budget: int) -> Future:
+def _submit(d: StepDescription, budget: int, bandwidth: Bandwidth | None) -> Future:
     """The plan, made in the child process (here, in a thread, if the child cannot run)."""
     f: Future = Future()
     with _pending_lock:
@@ -125,9 +126,9 @@ def _submit(d: StepDescription, budget: int) -> Future:
     def plan() -> None:
         try:
             try:
-                result = _child.plan(d, budget)
+                result = _child.plan(d, budget, bandwidth)
             except (OSError, EOFError, pickle.PickleError):
-                result = plan_native_budget(d, budget)
+                result = plan_native_budget(d, budget, bandwidth=bandwidth)
             f.set_result(result)
         except BaseException as e:  # noqa: BLE001 (handed to the step that takes the plan)
             f.set_exception(e)
@@ -136,11 +137,20 @@ def _submit(d: StepDescription, budget: int) -> Future:
     return f
 
 
+def _host_bandwidth() -> Bandwidth:
+    """The host pool's copy bandwidth on this machine, measured once per process (a few copies
+    of 32 MiB, between steps)."""
+    from executor.offload import measure_bandwidth
+
+    return measure_bandwidth("cpu")
+
+
 class NativeBudget:
     """One program's memory budget on the native backend (module docstring)."""
 
-    def __init__(self, budget: int, where: str) -> None:
+    def __init__(self, budget: int, where: str, offload: bool = False) -> None:
         self.budget = budget
+        self.offload = offload  # plans may park values in the host pool (bandwidth measured at the first plan)
         self.where = where  # the ``with`` statement (for the warning below)
         self.unplannable = 0  # steps in a row that ran at once ops to be described, or off the plan
         self.warned = False  # (the warning on unplanned steps: once)
@@ -158,7 +168,7 @@ class NativeBudget:
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
         self.planning_seconds = 0.0  # the planner's time on them
         self.persistent: int | None = None  # the state the last described step found and left
-        self.remade0 = self.misses0 = 0
+        self.remade0 = self.misses0 = self.parked0 = 0
         self.remade_seconds0 = 0.0
 
     def before(self, capture: Any, cpu: Any) -> list[str]:
@@ -189,6 +199,7 @@ class NativeBudget:
         capture.guard(max(1, self.budget - (cpu.cpu_bytes()[0] if state is None else state)))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
+        self.parked0 = c.parked
         return lines
 
     def after(self, capture: Any, cpu: Any, stats: Any) -> None:
@@ -210,7 +221,7 @@ class NativeBudget:
             self.unplannable += 1
         elif self.describing:
             self.unplannable = 0
-            self.future = _submit(d, self.budget)
+            self.future = _submit(d, self.budget, _host_bandwidth() if self.offload else None)
             self.described_at = self.steps
             self.unfollowed = 0
             self.growing = self.outgrown
@@ -234,6 +245,7 @@ class NativeBudget:
         c = capture.counters
         stats.recomputed_ops = c.remade - self.remade0
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
+        stats.offloaded_storages = c.parked - self.parked0
         if persistent is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
         if followed is not None and not self.describing:

@@ -392,9 +392,9 @@ class GradientTape:
     ``backend`` (``"auto"``, the default: ``"native"`` on a machine without a GPU where the
     native module builds and no option below needs ``"interpret"``, else ``"interpret"``;
     ``tape.backend`` says which runs; ``"native"``: every step's ATen ops answered by a C++
-    kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, no
-    TraceGraph, arena, offloading or ``sync="none"``; a ``memory_budget`` is met by
-    recomputation; steps run eagerly until the native module is built, and while another
+    kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, a
+    TraceGraph from its traced steps, no arena or ``sync="none"``; a ``memory_budget`` is met by
+    recomputation, and with ``offload=True`` by parking storages in a host pool; steps run eagerly until the native module is built, and while another
     thread's step is being captured (one at a time in a process: ``stats.beside_steps``), and
     from a ``torch.compile``d region's call to the step's end (``stats.compiled_steps``);
     docs/coexec.md, *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
@@ -413,9 +413,9 @@ class GradientTape:
     smallest feasible one. Tracing steps run eagerly, at eager's peak. With ``arena=True``
     under a budget on a CPU, the arena is planned with the budget and counts whole in it; on a
     GPU budgeted steps allocate without it for now), ``offload`` (under a budget, also park activations
-    in a host pool across their idle stretch, copied on a stream or thread beside the compute
-    at the bandwidth measured on the machine; ``None``, the default: when the step runs on a
-    GPU).
+    in a host pool across their idle stretch, planned at the copy bandwidth measured on the
+    machine and copied on a stream or thread beside the compute (the native backend: on its
+    worker, between ops); ``None``, the default: when the step runs on a GPU).
     """
 
     def __init__(
@@ -500,8 +500,9 @@ class GradientTape:
                 self._leave_native()
         if self.backend == "native":
             self._step = _NativeStep(
-                self._native_program(key, frame), frame, self.max_traces, self.debug, self.memory_budget
-            )
+                self._native_program(key, frame), frame, self.max_traces, self.debug, self.memory_budget,
+                bool(self.offload),  # (None: on a GPU; the native backend's steps are on the CPU)
+            )  # fmt: skip
             _local.tape = self
             return self
         fam = programs.family(key, named, frame.f_code, lambda: _describe(frame))
@@ -674,7 +675,12 @@ class GradientTape:
             plan = program.native_budget.plan  # (coexec.native_budget: no arena, no blocks)
             if plan is None:
                 return []
-            return [_report_row(0, len(plan.drops.ops), plan.eager_peak, plan.planned_peak, plan.predicted_seconds, plan.recomputed)]
+            return [
+                _report_row(
+                    0, len(plan.drops.ops), plan.eager_peak, plan.planned_peak, plan.predicted_seconds,
+                    plan.recomputed, plan.offloaded,
+                )
+            ]  # fmt: skip
         if program is None or not program.paths:
             return []
         schedule, steps = program.schedule, program.plan.steps
@@ -809,11 +815,6 @@ def _native_refusal(sync: str, arena: bool | None, offload: bool | None) -> str 
             "arena=True: the native backend runs ops as issued, each output from the allocator "
             "(it plans memory by recomputation under a memory_budget); backend='interpret' plans an arena"
         )
-    if offload:
-        return (
-            "offload=True: the native backend meets a memory budget by recomputation only for now; "
-            "backend='interpret' offloads"
-        )
     if sync != "step":
         return "sync='none': a native-backend step always ends with its values computed"
     return None
@@ -827,7 +828,13 @@ class _NativeStep:
     rec = None
 
     def __init__(
-        self, program: Program, frame: Any, max_traces: int, debug: bool = False, budget: int | None = None
+        self,
+        program: Program,
+        frame: Any,
+        max_traces: int,
+        debug: bool = False,
+        budget: int | None = None,
+        offload: bool = False,
     ) -> None:
         self.program = program
         self.debug = debug
@@ -845,8 +852,9 @@ class _NativeStep:
             return
         try:
             if budget is not None:  # (raises BudgetTooSmall before the step runs)
-                if program.native_budget is None or program.native_budget.budget != budget:
-                    program.native_budget = NativeBudget(budget, program.where)
+                b = program.native_budget
+                if b is None or (b.budget, b.offload) != (budget, offload):
+                    program.native_budget = NativeBudget(budget, program.where, offload)
                 self.budget = program.native_budget
                 for line in self.budget.before(self.capture, native.wait()):
                     if debug and line:

@@ -92,6 +92,8 @@ class CaptureCounters(NamedTuple):
     overruns: int  # ops before which it could not drop enough to stay within its cap
     eager_rests: int  # steps that called a ``torch.compile``d region: eager from it to their end
     ran_ahead: int  # ops on small real tensors run on the step's thread without waiting (Adam's step count)
+    parked: int  # storages a memory plan parked in the host pool (offload=True)
+    back_early: int  # of them, brought back before the plan's place (read early, or held at the step's end)
 
 
 class StepLines(NamedTuple):
@@ -173,7 +175,10 @@ class Capture:
         if plan is None:
             self._c.clear_drops()
         else:
-            self._c.set_drops(list(plan.ops), sorted(plan.keep), sorted(plan.after.items()), list(plan.value_bytes))
+            self._c.set_drops(
+                list(plan.ops), sorted(plan.keep), sorted(plan.after.items()), list(plan.value_bytes),
+                [tuple(p) for p in plan.parks],
+            )  # fmt: skip
 
     def guard(self, cap: int) -> None:
         """Keep the next steps' ops within ``cap`` bytes of the blocks the CPU allocator handed

@@ -39,11 +39,24 @@ class StepDescription:
     alive: frozenset[int]  # values Python held at the step's end
 
 
+class Park(NamedTuple):
+    """Values (all those on one storage) parked in the host pool across their idle stretch: the
+    worker copies their storage into ``[host_offset, host_offset + host_bytes)`` of the pool and
+    releases it after the op at place ``out_after``, and copies it back into new memory after
+    the op at place ``back_after``; a parked value read before that comes back where it is read."""
+
+    values: tuple[int, ...]
+    out_after: int
+    back_after: int
+    host_offset: int
+    host_bytes: int
+
+
 @dataclass(frozen=True)
 class DropPlan:
     """A memory plan the worker follows (``native/capture_worker.h``, ``Drops``): after the op
     at place ``p`` it frees the values ``after[p]``, and makes each again from its kept producer
-    when it is next read. A step that meets another op than ``ops[place]``, or makes a value
+    when it is next read; the values of ``parks`` it parks in the host pool and brings back. A step that meets another op than ``ops[place]``, or makes a value
     larger than ``value_bytes`` says, stops following it there (what it dropped is still made again when read), so a plan changes when memory is
     held, never a value."""
 
@@ -53,3 +66,9 @@ class DropPlan:
     # per value number, its storage's bytes in the planned step (0 or absent: not known): a step
     # that makes a value larger than this has grown past the plan and stops following it there
     value_bytes: tuple[int, ...] = ()
+    parks: tuple[Park, ...] = ()  # values parked in the host pool (offload=True)
+
+    @property
+    def host_bytes(self) -> int:
+        """The host pool the parks need."""
+        return max((p.host_offset + p.host_bytes for p in self.parks), default=0)

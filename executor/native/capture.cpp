@@ -377,7 +377,7 @@ class Capture {
                           worker_ ? worker_->busy_ns() * s : 0.0, replayed_, backwards_,
                           worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load() * s, shaped_,
                           worker_ ? worker_->evicted() : int64_t(0), worker_ ? worker_->overruns() : int64_t(0),
-                          eager_rests_, ahead_);
+                          eager_rests_, ahead_, g_parked.load(), g_back_early.load());
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -473,9 +473,26 @@ class Capture {
   // values dropped after it, and per value its bytes in the planned step.
   void set_drops(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
                  const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
-                 const std::vector<int64_t>& value_bytes) {
+                 const std::vector<int64_t>& value_bytes,
+                 const std::vector<std::tuple<std::vector<uint32_t>, int64_t, int64_t, int64_t, int64_t>>& parks) {
     auto d = std::make_shared<Drops>();
     d->value_bytes = value_bytes;
+    for (const auto& [values, out_after, back_after, host_offset, host_bytes] : parks) {
+      TORCH_CHECK(out_after < back_after && host_offset >= 0 && host_bytes >= 0,
+                  "coexec: a park is copied out before it comes back, into a slice of the pool");
+      const auto k = static_cast<uint32_t>(d->parks.size());
+      d->parks.push_back({values, out_after, back_after, host_offset, host_bytes});
+      d->park_events.push_back({out_after, false, k});
+      d->park_events.push_back({back_after, true, k});
+      d->host_bytes = std::max(d->host_bytes, host_offset + host_bytes);
+      for (uint32_t n : values) {
+        if (n >= d->park_of.size()) d->park_of.resize(n + 1, -1);
+        d->park_of[n] = static_cast<int32_t>(k);
+      }
+    }
+    std::sort(d->park_events.begin(), d->park_events.end(), [](const ParkEvent& a, const ParkEvent& b) {
+      return a.place != b.place ? a.place < b.place : a.back < b.back;
+    });
     for (int64_t id : ops) d->ops.push_back(reinterpret_cast<const c10::OperatorHandle*>(id));
     for (int64_t n : keep) {
       if (n < 0) continue;

@@ -33,6 +33,7 @@ constexpr auto kKey = c10::DispatchKey::PrivateUse3;
 // -- placeholders ----------------------------------------------------------------------------
 
 struct Recipe;  // (capture_worker.h) the op that made a value, kept so that it can be made again
+struct Parked;  // (capture_worker.h) a storage parked in the host pool, its values with it
 
 struct Slot {
   at::Tensor real;  // the value, once computed (empty again while dropped: `recipe` remakes it)
@@ -45,6 +46,8 @@ struct Slot {
   const void* dropped_from = nullptr;  // the storage it had then (a described step's log: StepLog::remade)
   int64_t remake_cost = 0;    // its op's modeled cost (the guard's cost of making it again: guard_cost)
   std::atomic<int32_t> recipe_holds{0};  // guard's recipes holding it (Worker::bury)
+  // under a memory plan that offloads: its storage in the host pool (`real` empty until it comes back)
+  std::shared_ptr<Parked> parked;
   // the storage its placeholders hold until they become the value: one per value, without data.
   // C++ outside the dispatcher compares storages without asking for data: DDP's reducer asks
   // ``grad.is_alias_of(bucket_view)`` in its autograd hook, and a storage-less tensor's null

@@ -239,12 +239,73 @@ class StepLog {
 // a value larger than the planned step's (its sizes grew: the plan's drops were chosen for less),
 // stops following it there; what it dropped is made again when read, so a plan never changes a
 // value, only when memory is held.
+// Values parked in the host pool (executor/step_plans.py, Park): all those on one storage, copied
+// into its slice of the pool and released after the op at `out_after`, copied back into new
+// memory after the op at `back_after`.
+struct ParkPlan {
+  std::vector<uint32_t> values;
+  int64_t out_after = 0, back_after = 0, host_offset = 0, host_bytes = 0;
+};
+
+// A park's two moments in the step: out (after `place`) or back.
+struct ParkEvent {
+  int64_t place = 0;
+  bool back = false;
+  uint32_t park = 0;  // index in Drops::parks
+};
+
 struct Drops {
   std::vector<const c10::OperatorHandle*> ops;
   std::vector<uint8_t> keep;  // per value number
   std::vector<std::pair<int64_t, std::vector<uint32_t>>> after;  // (place, values), ascending
   std::vector<int64_t> value_bytes;  // per value number: its storage's bytes in the planned step (0: not known)
+  std::vector<ParkPlan> parks;
+  std::vector<ParkEvent> park_events;  // by place, ascending (at one place: outs before backs)
+  std::vector<int32_t> park_of;        // per value number: its park (-1: none)
+  int64_t host_bytes = 0;              // the pool the parks need
 };
+
+// A storage parked in the host pool (Worker::park): the slots whose values were on it, as they
+// were, and where its bytes are. Its values come back together on one new storage (so views
+// still alias), when the plan says, when one is read first (value_of), or at the step's end
+// (the pool is the next step's).
+struct Parked {
+  struct Member {
+    std::weak_ptr<Slot> slot;
+    std::vector<int64_t> sizes, strides;
+    int64_t offset = 0;
+    caffe2::TypeMeta dtype;
+    c10::DispatchKeySet keys;
+  };
+  std::vector<Member> members;
+  const uint8_t* host = nullptr;  // its slice of the pool
+  int64_t nbytes = 0;
+  c10::Allocator* allocator = nullptr;  // its storage's: the memory it comes back to
+  bool back = false;
+};
+
+std::atomic<int64_t> g_parked{0};       // storages parked (in all)
+std::atomic<int64_t> g_back_early{0};   // of them, brought back before the plan said (read early, or at the step's end)
+
+// Bring parked storage `p` back: new memory from its allocator, its bytes copied in, each
+// member slot's value on it again, as it was. `early`: before its planned place.
+void bring_back(Parked& p, bool early) {
+  if (p.back) return;
+  p.back = true;
+  if (std::none_of(p.members.begin(), p.members.end(), [](const Parked::Member& m) { return !m.slot.expired(); }))
+    return;  // (let go of meanwhile: nothing to bring back)
+  c10::Storage st(c10::Storage::use_byte_size_t(), p.nbytes, p.allocator, /*resizable=*/false);
+  if (p.nbytes > 0) std::memcpy(st.mutable_data(), p.host, p.nbytes);
+  for (Parked::Member& m : p.members) {
+    auto s = m.slot.lock();
+    if (!s || s->parked.get() != &p) continue;
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(st), m.keys, m.dtype);
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides, m.offset);
+    s->real = std::move(t);
+    s->parked.reset();
+  }
+  if (early) g_back_early.fetch_add(1, std::memory_order_relaxed);
+}
 
 // The op that made a value, kept to make it again: the taped op, holding its inputs (not its
 // outputs: they hold it).
@@ -384,7 +445,13 @@ void run_entry(const TapeEntry& e, StepLog* log = nullptr, int64_t* workspace = 
 }
 
 const at::Tensor& value_of(Slot& s) {
-  if (s.real.defined() || !s.recipe) return s.real;
+  if (s.real.defined()) return s.real;
+  if (s.parked) {
+    const std::shared_ptr<Parked> p = s.parked;  // (bring_back resets the slot's)
+    bring_back(*p, true);
+    return s.real;
+  }
+  if (!s.recipe) return s.real;
   // (in either thread: the worker reading it, or the step's thread after the worker caught up)
   std::shared_ptr<Recipe> r = s.recipe;
   // (the capture's key off the step's thread: its bits cleared, the backend's too, which a set
@@ -494,6 +561,13 @@ class Worker final : public RoomMaker {
     following_ = drops_ != nullptr;
     outgrew_ = false;
     next_drop_ = 0;
+    next_park_ = 0;
+    parkable_.clear();
+    parked_.assign(drops_ ? drops_->parks.size() : 0, nullptr);
+    if (drops_ && drops_->host_bytes > pool_bytes_) {  // (plain memory: the CPU allocator does not count it)
+      pool_.reset(new uint8_t[drops_->host_bytes]);
+      pool_bytes_ = drops_->host_bytes;
+    }
     first_value_ = first_value;
     kept_.clear();
     readers_.clear();
@@ -514,6 +588,11 @@ class Worker final : public RoomMaker {
     guarded_.clear();
     remade_.clear();
     readers_.clear();
+    // (values parked and still held, by what the step left: back now, the pool is the next step's)
+    for (auto& p : parked_)
+      if (p) bring_back(*p, true);
+    parked_.clear();
+    parkable_.clear();
     drops_.reset();
     cap_ = 0;
     g_room.store(nullptr, std::memory_order_release);
@@ -572,6 +651,11 @@ class Worker final : public RoomMaker {
   std::atomic<bool> release_team_{false};  // (release_team: the worker lets its OpenMP team go)
   std::atomic<int64_t> making_{0};  // bytes the op in flight may make (make_room; reserve_for_stand_ins)
   size_t next_drop_ = 0;
+  size_t next_park_ = 0;
+  std::unordered_map<uint32_t, std::weak_ptr<Slot>> parkable_;  // by value number: a value a park names
+  std::vector<std::shared_ptr<Parked>> parked_;  // per park of the plan: its storage, once parked
+  std::unique_ptr<uint8_t[]> pool_;  // the host pool
+  int64_t pool_bytes_ = 0;
   uint64_t first_value_ = 0;
   std::unordered_map<uint32_t, std::weak_ptr<Slot>> kept_;  // by value number: a value with a recipe
   // what recipes read (a slot, a storage) -> the recipes: a write to it first makes a dropped value
@@ -702,6 +786,12 @@ class Worker final : public RoomMaker {
         return;
       }
     }
+    if (!d.parks.empty())
+      for (const auto& s : e.out_slots) {
+        if (!s || s->id < first_value_) continue;
+        const uint64_t n = s->id - first_value_;
+        if (n < d.park_of.size() && d.park_of[n] >= 0) parkable_[static_cast<uint32_t>(n)] = s;
+      }
     std::shared_ptr<Recipe> recipe;
     const bool remake = !e.out_slots.empty() && remakeable(*e.op);
     for (const auto& s : e.out_slots) {
@@ -721,6 +811,58 @@ class Worker final : public RoomMaker {
         drop(*s);
         dropped_.fetch_add(1, std::memory_order_relaxed);
       }
+    for (; next_park_ < d.park_events.size() && d.park_events[next_park_].place <= e.index; ++next_park_) {
+      const ParkEvent& ev = d.park_events[next_park_];
+      if (!ev.back) {
+        park(ev.park);
+      } else if (const auto& p = parked_[ev.park]) {
+        bring_back(*p, false);
+      }
+    }
+  }
+
+  // Park the storage of plan park `k`'s values in its slice of the host pool and release it,
+  // where that frees it: its values are all on one dense CPU storage of at most the slice's
+  // bytes, which only their slots hold (else they stay, as eager keeps them).
+  void park(uint32_t k) {
+    const ParkPlan& plan = drops_->parks[k];
+    std::vector<std::shared_ptr<Slot>> slots;
+    const c10::StorageImpl* storage = nullptr;
+    for (uint32_t n : plan.values) {
+      const auto it = parkable_.find(n);
+      if (it == parkable_.end()) continue;
+      auto s = it->second.lock();
+      if (!s || !s->real.defined()) continue;  // (let go of, or dropped by the guard: nothing to park)
+      const at::Tensor& t = s->real;
+      if (!t.has_storage() || t.layout() != c10::kStrided || !t.device().is_cpu() || t.requires_grad() ||
+          t.use_count() != 1)
+        return;
+      const c10::StorageImpl* here = t.storage().unsafeGetStorageImpl();
+      if (storage != nullptr && here != storage) return;
+      storage = here;
+      slots.push_back(std::move(s));
+    }
+    if (slots.empty()) return;
+    const c10::Storage& st = slots.front()->real.storage();
+    const auto nbytes = static_cast<int64_t>(st.nbytes());
+    if (static_cast<size_t>(st.use_count()) != slots.size() || nbytes > plan.host_bytes || st.allocator() == nullptr ||
+        plan.host_offset + nbytes > pool_bytes_)
+      return;
+    auto p = std::make_shared<Parked>();
+    p->host = pool_.get() + plan.host_offset;
+    p->nbytes = nbytes;
+    p->allocator = st.allocator();
+    if (nbytes > 0) std::memcpy(pool_.get() + plan.host_offset, st.data(), nbytes);
+    for (const auto& s : slots) {
+      const at::Tensor& t = s->real;
+      p->members.push_back({s, t.sizes().vec(), t.strides().vec(), t.storage_offset(), t.dtype(), t.key_set()});
+    }
+    for (const auto& s : slots) {
+      s->parked = p;
+      s->real = at::Tensor();
+    }
+    parked_[k] = std::move(p);
+    g_parked.fetch_add(1, std::memory_order_relaxed);
   }
 
   // -- the budget's guard: values dropped where the step would go over its cap ----------------

@@ -174,10 +174,6 @@ def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None
     [
         ({"arena": True}, "arena=True: the native backend runs ops as issued"),
         (
-            {"memory_budget": "1GB", "offload": True},
-            "offload=True: the native backend meets a memory budget by recomputation only",
-        ),
-        (
             {"sync": "none"},
             "sync='none': a native-backend step always ends with its values computed",
         ),

@@ -4,6 +4,7 @@ dropped and made again on the worker), bit-equal to eager and within the budget.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 
@@ -113,9 +114,90 @@ def test_a_budget_no_plan_meets_names_the_smallest_at_the_next_step() -> None:
     assert "this step has not run" in str(small.value)
 
 
-def test_offloading_is_refused_on_the_native_backend() -> None:
-    with pytest.raises(ValueError, match="recomputation only"):
-        coexec.GradientTape(backend="native", memory_budget="1GB", offload=True)
+def _smallest(key: str, offload: bool) -> int:
+    probe = coexec.GradientTape(backend="native", memory_budget=1, key=("native budget", key), offload=offload)
+    with pytest.raises(coexec.BudgetTooSmall) as small:
+        _train_until_planned(probe, _state(), _state(), 1)
+    return small.value.smallest
+
+
+def test_offloading_parks_activations_in_the_host_pool_within_the_budget() -> None:
+    """``offload=True`` on the native backend: at the smallest budget recomputation alone meets,
+    the plan parks activations in the host pool instead (the worker copies their storage out
+    and releases it, and copies it back before the backward reads it), bit-equal, each planned
+    step within the budget and within 1% of its planned peak."""
+    budget = _smallest("offload probe", offload=False)
+    tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("native budget", "offload"), offload=True)
+    parked = []
+    eager, captured = _state(), _state()
+    for _ in range(3):
+        _train_until_planned(tape, eager, captured, 1)
+        parked.append(tape.stats.offloaded_storages)
+        s = tape.stats
+        assert s.peak_bytes <= budget and s.over_budget_steps == 0
+        assert abs(s.peak_bytes - s.planned_peak_bytes) <= 0.01 * s.planned_peak_bytes, (s.peak_bytes, s.planned_peak_bytes)
+    assert all(p > 0 for p in parked), parked
+    (row,) = tape.report()
+    assert row["offloaded"] > 0 and row["planned peak"] <= budget - native_budget.UNSEEN_BYTES
+    assert _smallest("offload probe 2", offload=True) <= budget
+
+
+def test_a_parked_value_read_before_it_was_due_back_has_its_value() -> None:
+    """A step that leaves the plan's path reads the hidden layers' outputs between the forward
+    and the backward, where the plan had them parked: each comes back where it is read, its
+    value eager's; and outputs Python keeps past a step's end come back before the next step
+    reuses the pool."""
+    budget = _smallest("early probe", offload=False)
+    tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("native budget", "early"), offload=True)
+    eager, captured = _state(), _state()
+    _train_until_planned(tape, eager, captured, 2)
+    outputs: dict[str, list] = {"eager": [], "captured": []}
+
+    def keep(into: list):
+        return lambda module, args, out: into.append(out)
+
+    for name, state in (("eager", eager), ("captured", captured)):
+        for layer in state["model"][:-1]:
+            layer.register_forward_hook(keep(outputs[name]))
+
+    def step_reading_hidden(state: dict, i: int) -> torch.Tensor:
+        model, opt = state["model"], state["opt"]
+        x, y = state["data"][i % 3]
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        hidden = torch.stack([h.sum() for h in outputs["eager" if state is eager else "captured"]])
+        loss.backward()
+        opt.step()
+        return torch.cat([loss.detach().reshape(1), hidden.detach()])
+
+    early0 = coexec.runtime.capture().counters.back_early
+    for i in range(3):
+        for o in outputs.values():
+            o.clear()
+        want = step_reading_hidden(eager, i)
+        with tape:
+            got = step_reading_hidden(captured, i)
+        assert torch.equal(want, got), i
+    assert coexec.runtime.capture().counters.back_early > early0
+    # (a step that skips its backward, its hidden outputs kept: parked at its end, they come
+    # back there, and are eager's after the steps after it reused the pool)
+    for o in outputs.values():
+        o.clear()
+    early0 = coexec.runtime.capture().counters.back_early
+    for name, state in (("eager", eager), ("captured", captured)):
+        with tape if name == "captured" else contextlib.nullcontext():
+            F.mse_loss(state["model"](state["data"][0][0]), state["data"][0][1])
+    assert coexec.runtime.capture().counters.back_early > early0
+    kept = {name: list(o) for name, o in outputs.items()}
+    for o in outputs.values():
+        o.clear()
+    for i in range(3, 5):
+        _step(eager, i)
+        with tape:
+            _step(captured, i)
+    assert all(torch.equal(a, b) for a, b in zip(kept["eager"], kept["captured"]))
+    for (name, a), b in zip(eager["model"].named_parameters(), captured["model"].parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_each_dropped_storage_is_freed_after_its_own_last_need() -> None:
@@ -218,7 +300,7 @@ class _FakeCapture:
     the described step (a stand-in: the plans are made by the fake _submit below)."""
 
     def __init__(self) -> None:
-        self.counters = types.SimpleNamespace(remade=0, remade_seconds=0.0, misses=0)
+        self.counters = types.SimpleNamespace(remade=0, remade_seconds=0.0, misses=0, parked=0)
         self.followed = False
         self.outgrew = False  # (a step that made a value larger than the plan's)
         self.described = 0
@@ -285,7 +367,7 @@ def test_the_plan_in_use_is_the_largest_steps_described(monkeypatch) -> None:
 
     plans = iter([_plan(150, 90), _plan(200, 95), _plan(120, 80)])
 
-    def submit(description, budget):
+    def submit(description, budget, bandwidth):
         f: Future = Future()
         f.set_result(next(plans))
         return f
@@ -330,7 +412,7 @@ def test_a_step_that_made_a_larger_value_than_planned_has_the_next_described(mon
     plans = iter([_plan(150, 90), _plan(200, 95)])
     waiting: list[Future] = []
 
-    def submit(description, budget):
+    def submit(description, budget, bandwidth):
         f: Future = Future()
         waiting.append(f)
         return f
@@ -439,7 +521,7 @@ def test_a_larger_steps_plan_that_cannot_meet_the_budget_leaves_the_steps_to_the
     from coexec import native_plans
     from planner import BudgetTooSmall
 
-    def submit(description, budget):
+    def submit(description, budget, bandwidth):
         f: Future = Future()
         if submit.calls == 0:
             f.set_result(_plan(150, 90))
