@@ -233,12 +233,6 @@ class StepLog {
 
 // -- memory plans: values dropped after an op and made again when next read -------------------
 
-// A memory plan for a path (made from a described step): per place, the op expected there (null:
-// one that ran at once), which values (by number in the step) keep the op that made them, and
-// after which place which of them are dropped. A step that meets another op than the plan's, or
-// a value larger than the planned step's (its sizes grew: the plan's drops were chosen for less),
-// stops following it there; what it dropped is made again when read, so a plan never changes a
-// value, only when memory is held.
 // Values parked in the host pool (executor/step_plans.py, Park): all those on one storage, copied
 // into its slice of the pool and released after the op at `out_after`, copied back into new
 // memory after the op at `back_after`.
@@ -254,6 +248,13 @@ struct ParkEvent {
   uint32_t park = 0;  // index in Drops::parks
 };
 
+// A memory plan for a path (made from a described step): per place, the op expected there (null:
+// one that ran at once), which values (by number in the step) keep the op that made them, and
+// after which place which of them are dropped, and which are parked in the host pool (parks).
+// A step that meets another op than the plan's, or
+// a value larger than the planned step's (its sizes grew: the plan's drops were chosen for less),
+// stops following it there; what it dropped is made again when read, so a plan never changes a
+// value, only when memory is held.
 struct Drops {
   std::vector<const c10::OperatorHandle*> ops;
   std::vector<uint8_t> keep;  // per value number
