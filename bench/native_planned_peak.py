@@ -14,7 +14,8 @@ random draws), until ``--steps`` steps have followed the plan. Per run: the budg
 peak, the measured peak (``tape.stats.peak_bytes``: the state the plan counts plus the bytes
 the CPU allocator handed out beyond its count at the step's start, at their most), their
 ratio (its least and largest over the planned steps), storages parked and ops recomputed in the last
-step, and whether every loss was bit-equal to eager's. A run that takes over ``--timeout``
+step, whether every loss was bit-equal to eager's, and the median time of those steps (the
+coexec step alone, its eager twin's step between two: a rough figure, one process per mode). A run that takes over ``--timeout``
 seconds is reported as such.
 """
 
@@ -53,45 +54,49 @@ def train(budget, key, want_steps, twin=False):
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=key, offload=offload)
     captured = make()
     eager = make() if twin else None
-    equal, ratios, last, deadline, i = True, [], None, time.monotonic() + 300, 0
+    equal, ratios, times, last, deadline, i = True, [], [], None, time.monotonic() + 300, 0
     while len(ratios) < want_steps:
         if time.monotonic() > deadline:
             raise SystemExit("no plan within 300 s")
         rng = torch.get_rng_state()
         want = eager(i) if twin else None
         torch.set_rng_state(rng)
+        t0 = time.perf_counter()
         with tape:
             got = captured(i)
+        seconds = time.perf_counter() - t0
         if twin:
             equal = equal and torch.equal(torch.as_tensor(want), torch.as_tensor(got))
         s = tape.stats
         if s.planned_peak_bytes is not None:
             ratios.append(s.peak_bytes / s.planned_peak_bytes)
+            times.append(seconds)
             last = s
         else:
             time.sleep(0.05)
         i += 1
-    return tape, ratios, last, equal
+    return tape, ratios, last, equal, times
 
 try:
     train(1, "probe", 1)
     raise SystemExit("a one-byte budget was met")
 except coexec.BudgetTooSmall as e:
     smallest = e.smallest
-sizer, _, _, _ = train(10**15, "sizer", 1)
+sizer = train(10**15, "sizer", 1)[0]
 unplanned = sizer._program.native_budget.plan.eager_peak
 from coexec.native_budget import UNSEEN_BYTES
 budget = max(smallest, (smallest + unplanned + UNSEEN_BYTES) // 2)
 try:
-    tape, ratios, s, equal = train(budget, "run", steps, twin=True)
+    tape, ratios, s, equal, times = train(budget, "run", steps, twin=True)
 except coexec.BudgetTooSmall as e:  # (with offloading the smallest moves with the ops' measured times)
     budget = e.smallest
-    tape, ratios, s, equal = train(budget, "run again", steps, twin=True)
+    tape, ratios, s, equal, times = train(budget, "run again", steps, twin=True)
 plan = tape._program.native_budget.plan
 print(json.dumps({
     "smallest": smallest, "budget": budget, "unplanned": unplanned, "planned": plan.planned_peak,
     "measured": s.peak_bytes, "worst ratio": max(ratios), "least ratio": min(ratios), "within budget": s.peak_bytes <= budget,
     "parked": s.offloaded_storages, "recomputed": s.recomputed_ops, "bit-equal": equal,
+    "step ms": 1e3 * sorted(times)[len(times) // 2],
 }))
 """
 
@@ -118,6 +123,7 @@ def run(kind: str, name: str, batch: int, offload: bool, steps: int, timeout: fl
         "parked": r["parked"],
         "recomputed": r["recomputed"],
         "bit-equal": r["bit-equal"],
+        "step ms": r["step ms"],
         "seconds": time.monotonic() - t0,
     }
 
