@@ -1,8 +1,13 @@
-"""Measured against planned peak under a memory budget on the native backend, recomputing only
-and with offloading (issue 53's acceptance: within 2%).
+"""Measured against planned peak on the native backend under a memory budget, recomputing only
+and with offloading, and with an arena (issue 53's acceptance: within 2%).
 
     python bench/native_planned_peak.py [--models mlp,lstm-lm,...] [--batches 1,16]
                                         [--programs all|none] [--steps 3] [--timeout 600]
+                                        [--modes recompute,offload,arena]
+
+``arena`` (``GradientTape(arena=True)``, no budget): the same programs trained with their
+described step's storages placed in one arena; "budget MB" is empty, "arena MB" and "placed"
+(storages the last step put in it) say what it held.
 
 Per zoo model and batch (and per example program, at its own sizes), ``offload`` False and
 True, each in its own fresh process: the smallest budget the plan meets is found with a
@@ -41,7 +46,8 @@ import coexec
 from examples.models import ZOO
 from examples.programs import PROGRAMS
 
-kind, name, batch, offload, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+kind, name, batch, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+offload, arena = mode == "offload", mode == "arena"
 
 def make():
     if kind == "zoo":
@@ -51,7 +57,7 @@ def make():
     return p.step
 
 def train(budget, key, want_steps, twin=False):
-    tape = coexec.GradientTape(backend="native", memory_budget=budget, key=key, offload=offload)
+    tape = coexec.GradientTape(backend="native", memory_budget=budget, key=key, offload=offload, arena=arena)
     captured = make()
     eager = make() if twin else None
     equal, ratios, times, last, deadline, i = True, [], [], None, time.monotonic() + 300, 0
@@ -77,33 +83,39 @@ def train(budget, key, want_steps, twin=False):
         i += 1
     return tape, ratios, last, equal, times
 
-try:
-    train(1, "probe", 1)
-    raise SystemExit("a one-byte budget was met")
-except coexec.BudgetTooSmall as e:
-    smallest = e.smallest
-sizer = train(10**15, "sizer", 1)[0]
-unplanned = sizer._program.native_budget.plan.eager_peak
-from coexec.native_budget import UNSEEN_BYTES
-budget = max(smallest, (smallest + unplanned + UNSEEN_BYTES) // 2)
-try:
-    tape, ratios, s, equal, times = train(budget, "run", steps, twin=True)
-except coexec.BudgetTooSmall as e:  # (with offloading the smallest moves with the ops' measured times)
-    budget = e.smallest
-    tape, ratios, s, equal, times = train(budget, "run again", steps, twin=True)
+if arena:
+    smallest = budget = None
+    tape, ratios, s, equal, times = train(None, "arena", steps, twin=True)
+    unplanned = tape._program.native_budget.plan.eager_peak
+else:
+    try:
+        train(1, "probe", 1)
+        raise SystemExit("a one-byte budget was met")
+    except coexec.BudgetTooSmall as e:
+        smallest = e.smallest
+    sizer = train(10**15, "sizer", 1)[0]
+    unplanned = sizer._program.native_budget.plan.eager_peak
+    from coexec.native_budget import UNSEEN_BYTES
+    budget = max(smallest, (smallest + unplanned + UNSEEN_BYTES) // 2)
+    try:
+        tape, ratios, s, equal, times = train(budget, "run", steps, twin=True)
+    except coexec.BudgetTooSmall as e:  # (with offloading the smallest moves with the ops' measured times)
+        budget = e.smallest
+        tape, ratios, s, equal, times = train(budget, "run again", steps, twin=True)
 plan = tape._program.native_budget.plan
 print(json.dumps({
     "smallest": smallest, "budget": budget, "unplanned": unplanned, "planned": plan.planned_peak,
-    "measured": s.peak_bytes, "worst ratio": max(ratios), "least ratio": min(ratios), "within budget": s.peak_bytes <= budget,
+    "measured": s.peak_bytes, "worst ratio": max(ratios), "least ratio": min(ratios),
+    "within budget": budget is None or s.peak_bytes <= budget, "arena": plan.arena_bytes, "placed": s.arena_placed,
     "parked": s.offloaded_storages, "recomputed": s.recomputed_ops, "bit-equal": equal,
     "step ms": 1e3 * sorted(times)[len(times) // 2],
 }))
 """
 
 
-def run(kind: str, name: str, batch: int, offload: bool, steps: int, timeout: float) -> dict:
-    row = {"program": name if kind == "program" else f"{name}, batch {batch}", "offload": offload}
-    args = [sys.executable, "-c", _CHILD, kind, name, str(batch), "1" if offload else "0", str(steps)]
+def run(kind: str, name: str, batch: int, mode: str, steps: int, timeout: float) -> dict:
+    row = {"program": name if kind == "program" else f"{name}, batch {batch}", "mode": mode}
+    args = [sys.executable, "-c", _CHILD, kind, name, str(batch), mode, str(steps)]
     t0 = time.monotonic()
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[1])
@@ -115,11 +127,13 @@ def run(kind: str, name: str, batch: int, offload: bool, steps: int, timeout: fl
     MB = 1e6
     return {
         **row,
-        "budget MB": r["budget"] / MB,
+        "budget MB": None if r["budget"] is None else r["budget"] / MB,
         "planned MB": r["planned"] / MB,
         "measured MB": r["measured"] / MB,
         "measured / planned": f"{r['least ratio']:.4f}-{r['worst ratio']:.4f}",
         "within budget": r["within budget"],
+        "arena MB": r["arena"] / MB,
+        "placed": r["placed"],
         "parked": r["parked"],
         "recomputed": r["recomputed"],
         "bit-equal": r["bit-equal"],
@@ -135,7 +149,12 @@ def main() -> None:
     ap.add_argument("--programs", default="all", help="the example programs: all, none, or names")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--modes", default="recompute,offload", help="recompute, offload, arena")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - {"recompute", "offload", "arena"}
+    if unknown:
+        ap.error(f"unknown modes: {sorted(unknown)}")
     from examples.programs import PROGRAMS
 
     runs = [("zoo", m, int(b)) for m in args.models.split(",") if m for b in args.batches.split(",")]
@@ -145,8 +164,8 @@ def main() -> None:
         runs += [("program", n, 0) for n in args.programs.split(",")]
     rows = []
     for kind, name, batch in runs:
-        for offload in (False, True):
-            rows.append(run(kind, name, batch, offload, args.steps, args.timeout))
+        for mode in modes:
+            rows.append(run(kind, name, batch, mode, args.steps, args.timeout))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     table = markdown_table(rows)
     print(table)

@@ -1,20 +1,26 @@
-"""Memory budgets on the native backend: a described step (``executor/capture.py``,
-:class:`~executor.step_plans.StepDescription`) planned by the planner's recomputation
-(:func:`planner.plan_remat`) into a :class:`~executor.step_plans.DropPlan` the capture's worker
-follows on the steps after it.
+"""Memory plans on the native backend: a described step (``executor/capture.py``,
+:class:`~executor.step_plans.StepDescription`) planned into a
+:class:`~executor.step_plans.DropPlan` the capture's worker follows on the steps after it: under
+a budget by the planner's recomputation and offloading (:func:`planner.plan_remat`); with
+``arena=True`` (without a budget) by placing its storages in one arena (:func:`planner.plan_arena`).
 
 The worker drops a value after the op the plan names and makes it again from its kept producer
-when it is next read (``native/capture_worker.h``), so a plan decides when memory is held, never
-a value: a step on another path stops following it, and a value read early is made early.
+when it is next read (``native/capture_worker.h``), and puts a planned storage in the arena only
+where its bytes are free (``native/arena.h``), so a plan decides when and where memory is held,
+never a value: a step on another path stops following it, and a value read early is made early.
 Planned in issue order: the native backend runs ops as the skeleton issues them.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from executor.step_plans import DropPlan, Park, StepDescription
+from executor.step_plans import DropPlan, Park, Placed, StepDescription
 from planner import Access, Bandwidth, BudgetTooSmall, PlanningGraph, RematPlan, StorageFacts, plan_remat, replay
+from planner.arena import plan_arena, select_placed
+from planner.graph import LOCAL
+from planner.remat.paths import split_peaks
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,7 @@ class NativeBudgetPlan:
     """A described step's memory plan and what the planner predicts of it."""
 
     drops: DropPlan
-    budget: int
+    budget: int | None  # (None: an arena alone)
     eager_peak: int  # bytes the described step held at its peak (the issue order, nothing dropped)
     planned_peak: int  # with the plan
     persistent_bytes: int  # of both: the storages that existed before the step
@@ -32,16 +38,26 @@ class NativeBudgetPlan:
     method: str  # how the plan was found (planner.RematPlan.method)
     planning_seconds: float
     offloaded: int = 0  # storages parked in the host pool (offload=True)
+    arena_bytes: int = 0  # the arena (arena=True), held whole: in planned_peak
+    placed: int = 0  # storages planned in it
 
 
 class NotPlannable(ValueError):
     """A described step the planner cannot take (it says why)."""
 
 
-def planning_graph(d: StepDescription) -> PlanningGraph:
+def planning_graph(d: StepDescription, worker_behind: bool = False) -> PlanningGraph:
     """The described step as the planner sees it: ops in issue order, storages with their bytes
     and how long the program held them (a value with no placeholder, an intermediate gradient of
-    a gradient block, is held to its last use)."""
+    a gradient block, is held to its last use).
+
+    A value the program let go of with ``at`` ops issued is freed by the worker after op ``at``
+    where the worker had run its readers by then (it goes with the next op), or after its last
+    reader where the worker was behind (the queued readers held it): the first, the later, by
+    default (a budget's bound); ``worker_behind``, the second (an arena's lifetimes: a step whose
+    worker runs ahead of them finds a region still held, and that storage comes from the
+    allocator; held to op ``at``, the convolutions' storages of a ResNet block made an arena two
+    of them larger than the step needed)."""
     if [o.place for o in d.ops] != list(range(len(d.ops))):
         raise NotPlannable("the description misses ops (a step captured in another mode)")
     held: dict[int, int] = {}  # storage -> the last place the program held a value of it
@@ -57,7 +73,7 @@ def planning_graph(d: StepDescription) -> PlanningGraph:
             # at its last use, a gradient block's)
             at = d.released.get(value, -1)
             if at >= 0:
-                held[sid] = max(held.get(sid, -1), at)
+                held[sid] = max(held.get(sid, -1), at - 1 if worker_behind else at)
         if o.at_once:  # (its tensors are Python's, not placeholders: none may be dropped)
             fetched.update(o.reads)
             alive.update(o.makes)
@@ -145,3 +161,67 @@ def plan_native_budget(
         drops, budget, base.peak, plan.peak, g.persistent_bytes, len(plan.dropped),
         plan.extra_seconds, plan.predicted_seconds, plan.method, plan.seconds, len(drops.parks),
     )  # fmt: skip
+
+
+def arena_placements(d: StepDescription, g: PlanningGraph, optimize_seconds: float = 0.0) -> tuple[tuple[Placed, ...], int, int]:
+    """The described step's storages placed in one arena over their lifetimes in issue order:
+    the placements, the arena's bytes, and the step's planned peak with the arena held whole
+    (persistent state, the arena, and at their most the storages outside it with the ops'
+    workspace). Placed: local storages (made and let go of within the step) that an op on the
+    worker allocated, where holding the arena whole does not raise the step's peak
+    (:func:`planner.arena.select_placed`); every placement is checked by the simulator
+    (:func:`planner.arena.plan_arena`)."""
+    order = list(range(len(g)))
+    r = replay(g, order)
+    maker: dict[int, int] = {}  # storage -> the place of the op that allocated it (on the worker)
+    for o in d.ops:
+        if o.at_once:
+            continue
+        sizes = [d.storage_bytes[sid] for sid in o.makes]
+        for sid in o.makes:
+            # (an allocation is matched to its region by its bytes alone: of two storages of one
+            # op with the same bytes, either may take the other's region, and one that lives
+            # longer than planned there keeps every region over it from being used)
+            if sizes.count(d.storage_bytes[sid]) == 1:
+                maker.setdefault(sid, o.place)
+    keys = {
+        sid: sid for sid, s in g.storages.items()
+        if s.kind == LOCAL and s.nbytes > 0 and sid in maker and r.segments.get(sid)
+    }  # fmt: skip
+    chosen = select_placed([(g, keys, r.segments)])
+    if not chosen:
+        return (), 0, r.peak
+    arena = plan_arena([(g, {sid: sid for sid in chosen})], optimize_seconds=optimize_seconds)
+    _inside, outside = split_peaks(g, order, r.segments, frozenset(chosen))
+    placed = tuple(sorted(Placed(maker[sid], g.storages[sid].nbytes, arena.offsets[sid]) for sid in chosen))
+    return placed, arena.arena_bytes, g.persistent_bytes + arena.arena_bytes + outside
+
+
+def plan_native_arena(d: StepDescription, optimize_seconds: float = 5.0) -> NativeBudgetPlan:
+    """The plan that puts the described step's storages in one arena (``arena=True`` without a
+    memory budget): nothing dropped or parked; the worker runs the ops as issued and each
+    placed storage's allocation takes its bytes of the arena (``native/arena.h``)."""
+    t0 = time.perf_counter()
+    g = planning_graph(d, worker_behind=True)
+    base = replay(g, list(range(len(g))))
+    placed, arena_bytes, planned_peak = arena_placements(d, g, optimize_seconds)
+    drops = DropPlan(
+        tuple(0 if o.at_once else o.op_id for o in d.ops), frozenset(), {}, arena_bytes=arena_bytes, placed=placed
+    )
+    seconds = sum(o.seconds for o in d.ops)
+    return NativeBudgetPlan(
+        drops, None, base.peak, planned_peak, g.persistent_bytes, 0, 0.0, seconds, "arena",
+        time.perf_counter() - t0, 0, arena_bytes, len(placed),
+    )  # fmt: skip
+
+
+def plan_native(
+    d: StepDescription, budget: int | None, bandwidth: Bandwidth | None = None, arena: bool = False
+) -> NativeBudgetPlan:
+    """The described step's plan: under ``budget`` (:func:`plan_native_budget`), else its
+    arena (:func:`plan_native_arena`; ``arena`` must then be set)."""
+    if budget is not None:
+        return plan_native_budget(d, budget, bandwidth=bandwidth)
+    if not arena:
+        raise ValueError("a native memory plan needs a memory budget or arena=True")
+    return plan_native_arena(d)

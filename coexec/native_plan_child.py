@@ -9,22 +9,23 @@ import sys
 
 import torch
 
-from coexec.native_budget import plan_native_budget
+from coexec.native_budget import plan_native
 from coexec.plan_process import _read, _write
 
 
 def main() -> None:
-    """The child's loop: a described step, a budget and the host bandwidth (None: no offloading) in, (True, plan) or (False, error) out."""
+    """The child's loop: a described step, a budget (None: none), the host bandwidth (None: no
+    offloading) and whether to plan an arena in, (True, plan) or (False, error) out."""
     out = os.fdopen(os.dup(1), "wb")  # (fd 1 is the pipe: anything printed goes to stderr)
     os.dup2(2, 1)
     torch.set_num_threads(1)
     while True:
         try:
-            d, budget, bandwidth = pickle.loads(_read(sys.stdin.buffer))
+            d, budget, bandwidth, arena = pickle.loads(_read(sys.stdin.buffer))
         except EOFError:
             return
         try:
-            answer = (True, plan_native_budget(d, budget, bandwidth=bandwidth))
+            answer = (True, plan_native(d, budget, bandwidth, arena))
         except Exception as e:  # noqa: BLE001 (raised in the training process)
             answer = (False, e)
         _write(out, pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))

@@ -45,7 +45,7 @@ from typing import Any
 from executor.step_plans import StepDescription
 from planner import Bandwidth, BudgetTooSmall, format_bytes
 
-from .native_budget import NativeBudgetPlan, plan_native_budget
+from .native_budget import NativeBudgetPlan, plan_native
 from .plan_process import _child_path, _read, _write
 
 WARM_UP = 2  # unplanned steps before one is described (the capture meets the ops, then the backward)
@@ -65,7 +65,7 @@ class _PlanChild:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
-    def plan(self, d: StepDescription, budget: int, bandwidth: Bandwidth | None) -> NativeBudgetPlan:
+    def plan(self, d: StepDescription, budget: int | None, bandwidth: Bandwidth | None, arena: bool) -> NativeBudgetPlan:
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 env = {**os.environ, "PYTHONPATH": _child_path()}
@@ -73,7 +73,7 @@ class _PlanChild:
                     [sys.executable, "-m", "coexec.native_plan_child"],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                 )  # fmt: skip
-            _write(self._proc.stdin, pickle.dumps((d, budget, bandwidth), protocol=pickle.HIGHEST_PROTOCOL))
+            _write(self._proc.stdin, pickle.dumps((d, budget, bandwidth, arena), protocol=pickle.HIGHEST_PROTOCOL))
             ok, value = pickle.loads(_read(self._proc.stdout))
         if not ok:
             raise value
@@ -111,7 +111,7 @@ def wait_for_native_plans(timeout: float | None = None) -> bool:
     return not not_done
 
 
-def _submit(d: StepDescription, budget: int, bandwidth: Bandwidth | None) -> Future:
+def _submit(d: StepDescription, budget: int | None, bandwidth: Bandwidth | None, arena: bool) -> Future:
     """The plan, made in the child process (here, in a thread, if the child cannot run)."""
     f: Future = Future()
     with _pending_lock:
@@ -126,9 +126,9 @@ def _submit(d: StepDescription, budget: int, bandwidth: Bandwidth | None) -> Fut
     def plan() -> None:
         try:
             try:
-                result = _child.plan(d, budget, bandwidth)
+                result = _child.plan(d, budget, bandwidth, arena)
             except (OSError, EOFError, pickle.PickleError):
-                result = plan_native_budget(d, budget, bandwidth=bandwidth)
+                result = plan_native(d, budget, bandwidth, arena)
             f.set_result(result)
         except BaseException as e:  # noqa: BLE001 (handed to the step that takes the plan)
             f.set_exception(e)
@@ -146,10 +146,14 @@ def _host_bandwidth() -> Bandwidth:
 
 
 class NativeBudget:
-    """One program's memory budget on the native backend (module docstring)."""
+    """One program's memory plans on the native backend: a budget, or an arena (``budget``
+    None, ``arena`` True: the same described steps and plans, no guard; module docstring)."""
 
-    def __init__(self, budget: int, where: str, offload: bool = False) -> None:
+    def __init__(self, budget: int | None, where: str, offload: bool = False, arena: bool = False) -> None:
+        if budget is None and not arena:
+            raise ValueError("a native memory plan needs a memory budget or arena=True")
         self.budget = budget
+        self.arena = arena and budget is None  # (under a budget the arena is not planned on this backend)
         self.offload = offload  # plans may park values in the host pool (bandwidth measured at the first plan)
         self.where = where  # the ``with`` statement (for the warning below)
         self.unplannable = 0  # steps in a row that ran at once ops to be described, or off the plan
@@ -168,7 +172,7 @@ class NativeBudget:
         self.plans_made = 0  # plans that arrived, taken or left unused (a smaller step's)
         self.planning_seconds = 0.0  # the planner's time on them
         self.persistent: int | None = None  # the state the last described step found and left
-        self.remade0 = self.misses0 = self.parked0 = 0
+        self.remade0 = self.misses0 = self.parked0 = self.placed0 = 0
         self.remade_seconds0 = 0.0
 
     def before(self, capture: Any, cpu: Any) -> list[str]:
@@ -196,10 +200,13 @@ class NativeBudget:
         # (the guard: the step's own bytes kept within what the budget leaves beside its state;
         # the first step's state is not known: everything alive as it begins is counted)
         state = self._state()
-        capture.guard(max(1, self.budget - (cpu.cpu_bytes()[0] if state is None else state)))
+        if self.budget is None:
+            capture.guard(0)
+        else:
+            capture.guard(max(1, self.budget - (cpu.cpu_bytes()[0] if state is None else state)))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
-        self.parked0 = c.parked
+        self.parked0, self.placed0 = c.parked, c.placed
         return lines
 
     def after(self, capture: Any, cpu: Any, stats: Any) -> None:
@@ -221,7 +228,7 @@ class NativeBudget:
             self.unplannable += 1
         elif self.describing:
             self.unplannable = 0
-            self.future = _submit(d, self.budget, _host_bandwidth() if self.offload else None)
+            self.future = _submit(d, self.budget, _host_bandwidth() if self.offload else None, self.arena)
             self.described_at = self.steps
             self.unfollowed = 0
             self.growing = self.outgrown
@@ -238,15 +245,18 @@ class NativeBudget:
         # (one definition of a step's bytes, the planner's: the state it found, and at their
         # most the bytes it made; the smallest budget BudgetTooSmall names counts the same)
         persistent = found if found is not None else self._state()
-        stats.peak_bytes = (persistent or 0) + made_peak
+        # (the arena of the plan the capture holds, allocated whole, beside the bytes made)
         followed = self._followed()
+        held = followed.arena_bytes if followed is not None else 0
+        stats.peak_bytes = (persistent or 0) + held + made_peak
         stats.planned_peak_bytes = followed.planned_peak if followed is not None else None
         stats.plans_made, stats.planning_seconds = self.plans_made, self.planning_seconds
         c = capture.counters
         stats.recomputed_ops = c.remade - self.remade0
         stats.recompute_seconds = c.remade_seconds - self.remade_seconds0
         stats.offloaded_storages = c.parked - self.parked0
-        if persistent is not None and stats.peak_bytes > self.budget:
+        stats.arena_placed = c.placed - self.placed0
+        if persistent is not None and self.budget is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
         if followed is not None and not self.describing:
             # (it grew past the plan, a value larger than planned or more held: the next step is
@@ -281,7 +291,8 @@ class NativeBudget:
                 "eager's peak"
             )
         warnings.warn(
-            f"coexec: the memory budget of the step at {self.where} " + why.format(n=self.unplannable)
+            f"coexec: the memory {'budget' if self.budget is not None else 'plan (arena=True)'} of the step at "
+            f"{self.where} " + why.format(n=self.unplannable)
             + " (planning for sizes that vary is issue 17)",
             RuntimeWarning,
             stacklevel=1,
@@ -319,6 +330,12 @@ class NativeBudget:
             return f"the memory budget {format_bytes(self.budget)} cannot be met"
         self.plans += 1
         p = self.plan
+        if p.budget is None:
+            return (
+                f"memory plan {self.plans} ready: an arena of {format_bytes(p.arena_bytes)} for {p.placed} "
+                f"storage(s), peak {format_bytes(p.eager_peak)} -> {format_bytes(p.planned_peak)}, planned in "
+                f"{p.planning_seconds:.2f} s"
+            )
         return (
             f"memory plan {self.plans} ready: peak {format_bytes(p.eager_peak)} -> "
             f"{format_bytes(p.planned_peak)} (budget {format_bytes(p.budget)}), {p.recomputed} op(s) "

@@ -114,6 +114,7 @@ class TapeStats:
     recomputed_ops: int = 0  # ops the executor ran again in the latest step (memory budget)
     recompute_seconds: float = 0.0  # their time (native backend: the plan expected its extra_seconds)
     offloaded_storages: int = 0  # storages parked on the host in the latest step
+    arena_placed: int = 0  # native backend, arena=True: storages the latest step put in the arena
     copy_wait_seconds: float = 0.0  # of the latest step: the executor waiting for copies
     # the latest co-executed step from entry to its end (drained), and the plan's prediction
     step_seconds: float = 0.0
@@ -393,8 +394,10 @@ class GradientTape:
     native module builds and no option below needs ``"interpret"``, else ``"interpret"``;
     ``tape.backend`` says which runs; ``"native"``: every step's ATen ops answered by a C++
     kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, a
-    TraceGraph from its traced steps, no arena or ``sync="none"``; a ``memory_budget`` is met by
-    recomputation, and with ``offload=True`` by parking storages in a host pool; steps run eagerly until the native module is built, and while another
+    TraceGraph from its traced steps, no ``sync="none"``; a ``memory_budget`` is met by
+    recomputation, and with ``offload=True`` by parking storages in a host pool; ``arena=True``
+    without a budget puts a described step's storages in one arena, ops as issued; an arena
+    with a budget is the interpret backend's; steps run eagerly until the native module is built, and while another
     thread's step is being captured (one at a time in a process: ``stats.beside_steps``), and
     from a ``torch.compile``d region's call to the step's end (``stats.compiled_steps``);
     docs/coexec.md, *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
@@ -403,10 +406,11 @@ class GradientTape:
     and budget plans to stderr), ``key`` (a hashable naming the program explicitly; by default
     a program is the code location of the ``with`` statement, so a generic training function
     used for two models can give each its own key), ``arena`` (without a budget: co-executed steps run in the planned
-    order, block by block, and write planned outputs into one preallocated arena; False: ops
+    order, block by block, and write planned outputs into one preallocated arena (the native
+    backend: in the issue order); False: ops
     run as issued, every output from the allocator; under a budget: the arena is planned with
-    it; ``None``, the default: on without a budget, off under one, where planning the arena
-    jointly takes several times longer: docs/planner.md), ``memory_budget`` (bytes, or a
+    it; ``None``, the default: on without a budget on the interpret backend, off under one, where planning the arena
+    jointly takes several times longer: docs/planner.md, and off on the native backend), ``memory_budget`` (bytes, or a
     string like ``"6GB"`` or ``"512MiB"``: the device memory a co-executed step may use at its
     peak, persistent state included; activations are dropped and recomputed to stay within it,
     and a budget no plan can meet raises :class:`planner.BudgetTooSmall` naming the
@@ -439,10 +443,13 @@ class GradientTape:
             raise ValueError(f"sync must be one of {SYNC_POLICIES}, got {sync!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} (inductor is planned), got {backend!r}")
-        if backend == "native" and (refusal := _native_refusal(sync, arena, offload)) is not None:
+        from .budget import parse_budget
+
+        budget = None if memory_budget is None else parse_budget(memory_budget)
+        if backend == "native" and (refusal := _native_refusal(sync, arena, offload, budget)) is not None:
             raise ValueError(refusal)
         if backend == "auto":
-            backend = _auto_backend(sync, arena, offload)
+            backend = _auto_backend(sync, arena, offload, budget)
             # (chosen while the native module may still be building: each step checks, until
             # the build has ended, that it did not fail)
             self._build_pending = backend == "native"
@@ -467,9 +474,7 @@ class GradientTape:
         self.timeout = float(timeout)
         self.debug = debug
         self.key = key
-        from .budget import parse_budget
-
-        self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
+        self.memory_budget = budget
         if offload is not None and not isinstance(offload, bool):
             raise TypeError(f"offload must be True, False or None (automatic), got {offload!r}")
         self.offload = offload
@@ -502,6 +507,7 @@ class GradientTape:
             self._step = _NativeStep(
                 self._native_program(key, frame), frame, self.max_traces, self.debug, self.memory_budget,
                 bool(self.offload),  # (None: on a GPU; the native backend's steps are on the CPU)
+                self.arena,
             )  # fmt: skip
             _local.tape = self
             return self
@@ -668,17 +674,18 @@ class GradientTape:
         state and the whole arena included), the arena and its fragmentation, the blocks run
         in a planned order, the predicted step time. Without a plan in use (``arena=False``, or
         before the first one arrives), the paths are planned now, without a budget. On the native
-        backend: the described path's memory plan under a ``memory_budget`` (no arena, no
-        blocks: those keys are None), once it arrived; nothing without a budget."""
+        backend: the described path's memory plan under a ``memory_budget`` or with
+        ``arena=True`` (no blocks: that key is None), once it arrived; nothing without one."""
         program = self._program
         if program is not None and program.native_budget is not None:
-            plan = program.native_budget.plan  # (coexec.native_budget: no arena, no blocks)
+            plan = program.native_budget.plan  # (coexec.native_budget: no blocks)
             if plan is None:
                 return []
+            arena = plan.arena_bytes if plan.placed else None
             return [
                 _report_row(
                     0, len(plan.drops.ops), plan.eager_peak, plan.planned_peak, plan.predicted_seconds,
-                    plan.recomputed, plan.offloaded,
+                    plan.recomputed, plan.offloaded, arena, arena,
                 )
             ]  # fmt: skip
         if program is None or not program.paths:
@@ -798,22 +805,22 @@ def _report_row(
     }
 
 
-def _auto_backend(sync: str, arena: bool | None, offload: bool | None) -> str:
+def _auto_backend(sync: str, arena: bool | None, offload: bool | None, budget: int | None = None) -> str:
     """What ``backend="auto"`` runs: the native backend where it can serve the tape (no GPU or
     other accelerator on the machine: it captures CPU steps only; no option only the
     interpret backend has; its module not known to be unbuildable), else the interpret backend."""
-    if _native_refusal(sync, arena, offload) is not None:
+    if _native_refusal(sync, arena, offload, budget) is not None:
         return "interpret"
     return "interpret" if native.unavailable() or torch.accelerator.is_available() else "native"
 
 
-def _native_refusal(sync: str, arena: bool | None, offload: bool | None) -> str | None:
+def _native_refusal(sync: str, arena: bool | None, offload: bool | None, budget: int | None = None) -> str | None:
     """Why the native backend cannot honour these options (they would be ignored there), or
     None: ``backend="native"`` raises it, ``"auto"`` picks the interpret backend."""
-    if arena:
+    if arena and budget is not None:
         return (
-            "arena=True: the native backend runs ops as issued, each output from the allocator "
-            "(it plans memory by recomputation under a memory_budget); backend='interpret' plans an arena"
+            "arena=True with a memory_budget: the native backend plans an arena without a budget, and a "
+            "budget by recomputation and offloading, not both in one plan yet; backend='interpret' plans them jointly"
         )
     if sync != "step":
         return "sync='none': a native-backend step always ends with its values computed"
@@ -835,6 +842,7 @@ class _NativeStep:
         debug: bool = False,
         budget: int | None = None,
         offload: bool = False,
+        arena: bool = False,
     ) -> None:
         self.program = program
         self.debug = debug
@@ -851,10 +859,10 @@ class _NativeStep:
         if self.capture is None:
             return
         try:
-            if budget is not None:  # (raises BudgetTooSmall before the step runs)
+            if budget is not None or arena:  # (raises BudgetTooSmall before the step runs)
                 b = program.native_budget
-                if b is None or (b.budget, b.offload) != (budget, offload):
-                    program.native_budget = NativeBudget(budget, program.where, offload)
+                if b is None or (b.budget, b.offload, b.arena) != (budget, offload, arena and budget is None):
+                    program.native_budget = NativeBudget(budget, program.where, offload, arena)
                 self.budget = program.native_budget
                 for line in self.budget.before(self.capture, native.wait()):
                     if debug and line:

@@ -94,6 +94,7 @@ class CaptureCounters(NamedTuple):
     ran_ahead: int  # ops on small real tensors run on the step's thread without waiting (Adam's step count)
     parked: int  # storages a memory plan parked in the host pool (offload=True)
     back_early: int  # of them, brought back before the plan's place (read early, or held at the step's end)
+    placed: int  # storages put in a memory plan's arena (arena=True; native/arena.h)
 
 
 class StepLines(NamedTuple):
@@ -146,8 +147,8 @@ class Capture:
         """The last described step."""
         ops, nbytes, existed, fetched, released, alive = self._c.description()
         described = tuple(
-            DescribedOp(p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)), ws)
-            for p, name, op_id, ns, once, rnd, r, w, m, v, ws in ops
+            DescribedOp(p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)), ws, bwd)
+            for p, name, op_id, ns, once, rnd, r, w, m, v, ws, bwd in ops
         )
         return StepDescription(
             described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive)
@@ -177,7 +178,7 @@ class Capture:
         else:
             self._c.set_drops(
                 list(plan.ops), sorted(plan.keep), sorted(plan.after.items()), list(plan.value_bytes),
-                [tuple(p) for p in plan.parks],
+                [tuple(p) for p in plan.parks], plan.arena_bytes, [tuple(p) for p in plan.placed],
             )  # fmt: skip
 
     def guard(self, cap: int) -> None:

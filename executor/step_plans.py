@@ -23,6 +23,7 @@ class DescribedOp(NamedTuple):
     makes: tuple[int, ...]  # storages it allocated
     values: tuple[tuple[int, int], ...]  # per placeholder it made: (value number, storage)
     workspace: int = 0  # bytes its kernel allocated and freed again (when the CPU's are counted)
+    backward: bool = False  # issued after the step's first ``backward()`` began (gradients, the update)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,17 @@ class Park(NamedTuple):
     host_bytes: int
 
 
+class Placed(NamedTuple):
+    """A storage put in the plan's arena: the op at ``place`` makes it, and its kernel's
+    allocation of exactly ``nbytes`` takes ``[offset, offset + nbytes)`` of the arena, unless
+    those bytes are still held (a tensor kept longer than in the planned step): then it comes
+    from the allocator, as unplanned."""
+
+    place: int
+    nbytes: int
+    offset: int
+
+
 @dataclass(frozen=True)
 class DropPlan:
     """A memory plan the worker follows (``native/capture_worker.h``, ``Drops``): after the op
@@ -67,6 +79,8 @@ class DropPlan:
     # that makes a value larger than this has grown past the plan and stops following it there
     value_bytes: tuple[int, ...] = ()
     parks: tuple[Park, ...] = ()  # values parked in the host pool (offload=True)
+    arena_bytes: int = 0  # the arena, allocated whole when the plan is taken (arena=True)
+    placed: tuple[Placed, ...] = ()  # the storages put in it
 
     @property
     def host_bytes(self) -> int:

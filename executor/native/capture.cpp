@@ -377,7 +377,7 @@ class Capture {
                           worker_ ? worker_->busy_ns() * s : 0.0, replayed_, backwards_,
                           worker_ ? worker_->dropped() : int64_t(0), g_remade.load(), g_remade_ns.load() * s, shaped_,
                           worker_ ? worker_->evicted() : int64_t(0), worker_ ? worker_->overruns() : int64_t(0),
-                          eager_rests_, ahead_, g_parked.load(), g_back_early.load());
+                          eager_rests_, ahead_, g_parked.load(), g_back_early.load(), g_arena_placed.load());
   }
 
   // -- gradient blocks (capture_blocks.h) --
@@ -440,7 +440,8 @@ class Capture {
   // The last described step: (ops, storage bytes, storages that existed before it, values Python
   // read, (value, ops issued when the program let go of it), values alive at its end). Per op:
   // (place, name, op id, ns, ran at once, random, storages read, written, made, (value, storage)
-  // per placeholder made, bytes its kernel allocated and freed again). Values are numbered from 0 in the step.
+  // per placeholder made, bytes its kernel allocated and freed again, issued after a backward() began).
+  // Values are numbered from 0 in the step.
   py::tuple description() {
     TORCH_CHECK(worker_ != nullptr, "coexec: only an 'async' capture describes steps");
     const StepLog& log = worker_->last_log();
@@ -453,7 +454,7 @@ class Capture {
       const auto& name = o.op->schema().operator_name();
       ops.append(py::make_tuple(o.index, name.name + (name.overload_name.empty() ? "" : "." + name.overload_name),
                                 reinterpret_cast<int64_t>(o.op), o.ns, o.at_once, o.random, o.reads, o.writes,
-                                o.makes, values, o.workspace));
+                                o.makes, values, o.workspace, o.backward));
     }
     py::list fetched, released, alive;
     for (uint64_t id : log.fetched)
@@ -474,8 +475,10 @@ class Capture {
   void set_drops(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
                  const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
                  const std::vector<int64_t>& value_bytes,
-                 const std::vector<std::tuple<std::vector<uint32_t>, int64_t, int64_t, int64_t, int64_t>>& parks) {
+                 const std::vector<std::tuple<std::vector<uint32_t>, int64_t, int64_t, int64_t, int64_t>>& parks,
+                 int64_t arena_bytes, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& placed) {
     auto d = std::make_shared<Drops>();
+    if (arena_bytes > 0 && !placed.empty()) place(*d, ops.size(), arena_bytes, placed);
     d->value_bytes = value_bytes;
     for (const auto& [values, out_after, back_after, host_offset, host_bytes] : parks) {
       TORCH_CHECK(out_after < back_after && host_offset >= 0 && host_bytes >= 0,
@@ -505,6 +508,30 @@ class Capture {
   }
 
   void clear_drops() { drops_.reset(); }
+
+  // The plan's arena (arena.h): one block of `bytes` from the counting allocator, and per
+  // placement (place of the op that makes the storage, its bytes, its offset) a region its
+  // kernel's allocation of exactly those bytes may take.
+  static void place(Drops& d, size_t places, int64_t bytes,
+                    const std::vector<std::tuple<int64_t, int64_t, int64_t>>& placed) {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> sorted(placed);
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<ArenaRegion> regions;
+    d.arena_at.assign(places, {0, 0});
+    for (const auto& [at, nbytes, offset] : sorted) {
+      TORCH_CHECK(at >= 0 && static_cast<size_t>(at) < places && nbytes > 0 && offset >= 0 && offset % 64 == 0 &&
+                      offset + nbytes <= bytes,
+                  "coexec: an arena placement is an op's place, its bytes and a 64-byte aligned offset within the arena");
+      const auto r = static_cast<uint32_t>(regions.size());
+      regions.push_back({offset, nbytes, {}});
+      auto& [begin, end] = d.arena_at[at];
+      if (begin == end) begin = end = r;
+      ++end;
+      d.arena_regions.push_back(r);
+    }
+    c10::DataPtr memory = count_cpu_bytes().allocate(static_cast<size_t>(bytes));
+    d.arena = std::make_unique<ArenaHandle>(new Arena(std::move(memory), bytes, std::move(regions)));
+  }
 
   // Keep the next steps' ops within `cap` bytes of blocks the CPU allocator handed out since its
   // reset_peak() and still held (0: no guard), by dropping values where an op would go past it
@@ -1175,7 +1202,7 @@ void Capture::run_at_once(const c10::OperatorHandle& op, Args args, torch::jit::
   }
   torch::jit::Stack real;
   for (const c10::IValue& a : args) real.push_back(map_tensors(a, real_of));
-  log->start(op, static_cast<int64_t>(places_.size()) - 1, real, true);
+  log->start(op, static_cast<int64_t>(places_.size()) - 1, real, true, !forward_);
   const auto t0 = std::chrono::steady_clock::now();
   run_on_values(op, args, stack, included_before_);
   torch::jit::Stack out(stack->end() - op.schema().returns().size(), stack->end());

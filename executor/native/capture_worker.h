@@ -144,6 +144,7 @@ struct LoggedOp {
   int64_t ns = 0;
   bool at_once = false;  // ran at once on the step's thread (its result read by Python)
   bool random = false;   // draws from a generator
+  bool backward = false;  // issued after the step's first backward() began (its gradients, the update)
   int64_t workspace = 0;  // bytes its kernel allocated and freed again (counted: cpu_bytes.h)
   std::vector<int64_t> reads, writes, makes;  // storage numbers
   std::vector<std::pair<uint64_t, int64_t>> values;  // per placeholder it made: (number, storage)
@@ -166,11 +167,13 @@ class StepLog {
   }
 
   // Op `op` (place `index`) is about to run on the tensors of `stack` (its arguments).
-  void start(const c10::OperatorHandle& op, int64_t index, const torch::jit::Stack& stack, bool at_once) {
+  void start(const c10::OperatorHandle& op, int64_t index, const torch::jit::Stack& stack, bool at_once,
+             bool backward) {
     LoggedOp l;
     l.index = index;
     l.op = &op;
     l.at_once = at_once;
+    l.backward = backward;
     l.random = op.hasTag(at::Tag::nondeterministic_seeded);
     CountingCPUAllocator::open_window();  // (installed with the worker: Worker's constructor)
     for (size_t i = 0; i < stack.size(); ++i) {
@@ -264,6 +267,20 @@ struct Drops {
   std::vector<ParkEvent> park_events;  // by place, ascending (at one place: outs before backs)
   std::vector<int32_t> park_of;        // per value number: its park (-1: none)
   int64_t host_bytes = 0;              // the pool the parks need
+  // the arena (arena=True): per place, the regions its kernel's allocations may take
+  // (arena_regions[begin, end)); the plan holds the arena, a storage in it holds it too
+  std::unique_ptr<ArenaHandle> arena;
+  std::vector<uint32_t> arena_regions;
+  std::vector<std::pair<uint32_t, uint32_t>> arena_at;  // per place: (begin, end) in arena_regions
+
+  // The placements of the op at `place` if it is the plan's op there (false: none).
+  bool offer(int64_t place, const c10::OperatorHandle* op, ArenaOffer& out) const {
+    if (!arena || place < 0 || static_cast<size_t>(place) >= arena_at.size() || ops[place] != op) return false;
+    const auto [begin, end] = arena_at[place];
+    if (begin == end) return false;
+    out = ArenaOffer{arena->arena, arena_regions.data() + begin, end - begin};
+    return true;
+  }
 };
 
 // A storage parked in the host pool (Worker::park): the slots whose values were on it, as they
@@ -384,8 +401,13 @@ std::atomic<RoomMaker*> g_room{nullptr};
 // their slots (`outs`: per tensor returned, its slot or null). `log`: the op is described in it.
 // `room`: bytes it makes (a value made again), for the guard to make room for once its
 // arguments are gathered (those made again first are held by the stack then, not dropped).
+// The arena placements of the next op run_op calls on this thread (the worker's, following a
+// plan with an arena): its kernel's allocations only, not those of dropped inputs it makes again.
+thread_local const ArenaOffer* t_next_offer = nullptr;
+
 template <typename Out>
 void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1, int64_t* workspace = nullptr) {
+  const ArenaOffer* offer = std::exchange(t_next_offer, nullptr);
   c10::AutoGradMode grad(e.grad_mode);
   torch::jit::Stack stack;
   stack.reserve(e.args.size());
@@ -395,13 +417,16 @@ void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1, int64
   std::chrono::steady_clock::time_point t0;  // (read only where the op is described)
   if (log != nullptr) {
     t0 = std::chrono::steady_clock::now();
-    log->start(*e.op, e.index, stack, false);
+    log->start(*e.op, e.index, stack, false, !e.forward);
   }
   // (the kernel's own bytes only: a window opened before the arguments were gathered also
   // counted the dropped inputs made again for it and the values evicted to make room for them,
   // a workspace of 120 KB for a ones_like of 4 bytes, which the guard then kept room for)
   if (workspace != nullptr && log == nullptr) CountingCPUAllocator::open_window();
-  e.op->callBoxed(stack);
+  {
+    ArenaOfferScope placed(offer);
+    e.op->callBoxed(stack);
+  }
   if (workspace != nullptr && log == nullptr) {
     const auto [peak, end] = CountingCPUAllocator::close_window();
     *workspace = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
@@ -818,6 +843,25 @@ class Worker final : public RoomMaker {
         park(ev.park);
       } else if (const auto& p = parked_[ev.park]) {
         bring_back(*p, false);
+      }
+    }
+  }
+
+  // After op `e` ran with arena placements: regions that hold none of its outputs learn which
+  // allocation of their size is the output's (Arena::learn).
+  static void learn(const TapeEntry& e, const ArenaOffer& offer) {
+    for (size_t i = 0; i < offer.count; ++i) {
+      const uint32_t r = offer.regions[i];
+      bool held = false;
+      for (const auto& s : e.out_slots)
+        if (s && s->real.defined() && s->real.has_storage() && offer.arena->holds(r, s->real.storage().data())) {
+          held = true;
+          break;
+        }
+      if (held) {
+        g_arena_placed.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        offer.arena->learn(r);
       }
     }
   }
@@ -1259,6 +1303,11 @@ class Worker final : public RoomMaker {
       if (!failed_.load(std::memory_order_acquire)) {
         const auto t0 = std::chrono::steady_clock::now();
         try {
+          ArenaOffer offer;
+          if (drops_ && following_ && drops_->offer(e.index, e.op, offer)) {
+            offer.arena->begin(offer.regions, offer.count);
+            t_next_offer = &offer;
+          }
           if (drops_ || cap_ > 0) guard_writes(e);
           if (cap_ > 0) {
             make_room(e);
@@ -1269,9 +1318,12 @@ class Worker final : public RoomMaker {
           } else {
             run_entry(e, nullptr);
           }
+          t_next_offer = nullptr;
+          if (offer.arena != nullptr) learn(e, offer);
           if (drops_ && following_) follow(e);
           busy_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
         } catch (const std::exception& ex) {
+          t_next_offer = nullptr;
           std::lock_guard<std::mutex> g(mu_);
           failed_at_ = e.index;
           error_ = std::current_exception();

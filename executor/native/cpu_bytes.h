@@ -14,6 +14,7 @@
 #include <new>
 #include <utility>
 
+#include "arena.h"
 #include "cpu_block_cache.h"
 
 namespace coexec {
@@ -58,7 +59,11 @@ class CountingCPUAllocator final : public c10::Allocator {
   // A block of the base allocator, `kHeader` bytes longer: the header says how to free it and
   // how many bytes it counts, and the data pointer is its own context (some kernels allocate
   // through raw_allocate, which requires that).
+  // An allocation the op on this thread has an arena region for (arena.h) takes it: its bytes
+  // are counted with the arena's, which is one allocation held whole.
   c10::DataPtr allocate(size_t n) override {
+    if (t_arena_offer != nullptr)
+      if (void* p = t_arena_offer->take(n)) return {p, p, &release, c10::Device(c10::kCPU)};
     const size_t bytes = n + kHeader;
     c10::DataPtr inner = CPUBlockCache::wants(bytes) ? cache_.allocate(bytes) : base_->allocate(bytes);
     char* block = static_cast<char*>(inner.get());
@@ -140,6 +145,7 @@ class CountingCPUAllocator final : public c10::Allocator {
   }
 
   static void release(void* data) {
+    if (Arena::release(data)) return;
     auto* header = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
     const Header h = *header;
     h.owner->live_.fetch_sub(h.n, std::memory_order_relaxed);

@@ -25,12 +25,16 @@ def test_the_default_is_auto_and_runs_native_on_this_cpu() -> None:
     assert coexec.GradientTape().backend == "native"
 
 
-def test_a_budget_stays_native() -> None:
+def test_a_budget_or_an_arena_stays_native() -> None:
     assert coexec.GradientTape(memory_budget="1GB").backend == "native"
     assert coexec.GradientTape(memory_budget="1GB", offload=True).backend == "native"
+    tape = coexec.GradientTape(arena=True)
+    assert tape.backend == "native" and tape.arena
 
 
-@pytest.mark.parametrize("options", [{"arena": True}, {"sync": "none"}], ids=["arena", "sync-none"])
+@pytest.mark.parametrize(
+    "options", [{"arena": True, "memory_budget": "1GB"}, {"sync": "none"}], ids=["arena-and-budget", "sync-none"]
+)
 def test_an_option_only_interpret_has_chooses_interpret(options) -> None:
     tape = coexec.GradientTape(**options)
     assert tape.backend == "interpret"

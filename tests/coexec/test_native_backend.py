@@ -172,7 +172,10 @@ def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"arena": True}, "arena=True: the native backend runs ops as issued"),
+        (
+            {"arena": True, "memory_budget": "1GB"},
+            "arena=True with a memory_budget: the native backend plans an arena without a budget",
+        ),
         (
             {"sync": "none"},
             "sync='none': a native-backend step always ends with its values computed",

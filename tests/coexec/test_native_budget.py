@@ -300,7 +300,7 @@ class _FakeCapture:
     the described step (a stand-in: the plans are made by the fake _submit below)."""
 
     def __init__(self) -> None:
-        self.counters = types.SimpleNamespace(remade=0, remade_seconds=0.0, misses=0, parked=0)
+        self.counters = types.SimpleNamespace(remade=0, remade_seconds=0.0, misses=0, parked=0, placed=0)
         self.followed = False
         self.outgrew = False  # (a step that made a value larger than the plan's)
         self.described = 0
@@ -367,7 +367,7 @@ def test_the_plan_in_use_is_the_largest_steps_described(monkeypatch) -> None:
 
     plans = iter([_plan(150, 90), _plan(200, 95), _plan(120, 80)])
 
-    def submit(description, budget, bandwidth):
+    def submit(description, budget, bandwidth, arena):
         f: Future = Future()
         f.set_result(next(plans))
         return f
@@ -412,7 +412,7 @@ def test_a_step_that_made_a_larger_value_than_planned_has_the_next_described(mon
     plans = iter([_plan(150, 90), _plan(200, 95)])
     waiting: list[Future] = []
 
-    def submit(description, budget, bandwidth):
+    def submit(description, budget, bandwidth, arena):
         f: Future = Future()
         waiting.append(f)
         return f
@@ -521,7 +521,7 @@ def test_a_larger_steps_plan_that_cannot_meet_the_budget_leaves_the_steps_to_the
     from coexec import native_plans
     from planner import BudgetTooSmall
 
-    def submit(description, budget, bandwidth):
+    def submit(description, budget, bandwidth, arena):
         f: Future = Future()
         if submit.calls == 0:
             f.set_result(_plan(150, 90))
