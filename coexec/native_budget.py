@@ -174,10 +174,12 @@ def arena_placements(d: StepDescription, g: PlanningGraph, optimize_seconds: flo
     order = list(range(len(g)))
     r = replay(g, order)
     maker: dict[int, int] = {}  # storage -> the place of the op that allocated it (on the worker)
+    passed_over: dict[int, int] = {}  # storage -> allocations of its bytes its op made before it
     for o in d.ops:
         if o.at_once:
             continue
         sizes = [d.storage_bytes[sid] for sid in o.makes]
+        passed_over.update(zip(o.makes, o.made_after))
         for sid in o.makes:
             # (an allocation is matched to its region by its bytes alone: of two storages of one
             # op with the same bytes, either may take the other's region, and one that lives
@@ -193,7 +195,9 @@ def arena_placements(d: StepDescription, g: PlanningGraph, optimize_seconds: flo
         return (), 0, r.peak
     arena = plan_arena([(g, {sid: sid for sid in chosen})], optimize_seconds=optimize_seconds)
     _inside, outside = split_peaks(g, order, r.segments, frozenset(chosen))
-    placed = tuple(sorted(Placed(maker[sid], g.storages[sid].nbytes, arena.offsets[sid]) for sid in chosen))
+    placed = tuple(sorted(
+        Placed(maker[sid], g.storages[sid].nbytes, arena.offsets[sid], passed_over.get(sid, 0)) for sid in chosen
+    ))  # fmt: skip
     return placed, arena.arena_bytes, g.persistent_bytes + arena.arena_bytes + outside
 
 

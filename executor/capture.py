@@ -147,8 +147,11 @@ class Capture:
         """The last described step."""
         ops, nbytes, existed, fetched, released, alive = self._c.description()
         described = tuple(
-            DescribedOp(p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)), ws, bwd)
-            for p, name, op_id, ns, once, rnd, r, w, m, v, ws, bwd in ops
+            DescribedOp(
+                p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)), ws, bwd,
+                tuple(after),
+            )
+            for p, name, op_id, ns, once, rnd, r, w, m, v, ws, bwd, after in ops
         )
         return StepDescription(
             described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive)

@@ -24,6 +24,8 @@ class DescribedOp(NamedTuple):
     values: tuple[tuple[int, int], ...]  # per placeholder it made: (value number, storage)
     workspace: int = 0  # bytes its kernel allocated and freed again (when the CPU's are counted)
     backward: bool = False  # issued after the step's first ``backward()`` began (gradients, the update)
+    # per storage it made (as ``makes``): the allocations of its bytes its kernel made before it
+    made_after: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,13 @@ class Placed(NamedTuple):
     """A storage put in the plan's arena: the op at ``place`` makes it, and its kernel's
     allocation of exactly ``nbytes`` takes ``[offset, offset + nbytes)`` of the arena, unless
     those bytes are still held (a tensor kept longer than in the planned step): then it comes
-    from the allocator, as unplanned."""
+    from the allocator, as unplanned. ``passed_over``: the allocations of ``nbytes`` the kernel
+    makes before the storage's (a temporary of the output's size), which do not take it."""
 
     place: int
     nbytes: int
     offset: int
+    passed_over: int = 0
 
 
 @dataclass(frozen=True)

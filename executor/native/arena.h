@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,7 @@ namespace coexec {
 
 // One storage's place in the arena.
 struct ArenaRegion {
+  int64_t place = 0;  // of the op that makes the storage
   int64_t offset = 0, nbytes = 0;
   std::vector<uint32_t> overlaps;  // the regions whose bytes overlap these
 };
@@ -116,6 +118,25 @@ class Arena {
     } else if (seen_[r] > 0 && seen_[r] <= skip_[r]) {
       skip_[r] = seen_[r] - 1;
     }
+  }
+
+  // What learn() found, for a plan's arena after this one: per (place, bytes) of a region, the
+  // allocations of its size its op makes before its storage.
+  std::vector<std::tuple<int64_t, int64_t, int32_t>> learnt() const {
+    std::vector<std::tuple<int64_t, int64_t, int32_t>> out;
+    for (size_t r = 0; r < regions_.size(); ++r)
+      if (skip_[r] > 0) out.emplace_back(regions_[r].place, regions_[r].nbytes, skip_[r]);
+    return out;
+  }
+  // Per region, the allocations of its size its op makes before its storage (a described step's).
+  void pass_over(const std::vector<int32_t>& skips) {
+    for (size_t r = 0; r < regions_.size() && r < skips.size(); ++r) skip_[r] = skips[r];
+  }
+  // Start from what an arena before this one learnt (regions at the same place, of the same bytes).
+  void learn_from(const std::vector<std::tuple<int64_t, int64_t, int32_t>>& known) {
+    for (const auto& [place, nbytes, skip] : known)
+      for (size_t r = 0; r < regions_.size(); ++r)
+        if (regions_[r].place == place && regions_[r].nbytes == nbytes) skip_[r] = skip;
   }
 
   // The owner (a plan) lets go; the arena goes once no region is held either.

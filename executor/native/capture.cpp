@@ -440,7 +440,8 @@ class Capture {
   // The last described step: (ops, storage bytes, storages that existed before it, values Python
   // read, (value, ops issued when the program let go of it), values alive at its end). Per op:
   // (place, name, op id, ns, ran at once, random, storages read, written, made, (value, storage)
-  // per placeholder made, bytes its kernel allocated and freed again, issued after a backward() began).
+  // per placeholder made, bytes its kernel allocated and freed again, issued after a backward() began,
+  // per storage made the allocations of its bytes the kernel made before it).
   // Values are numbered from 0 in the step.
   py::tuple description() {
     TORCH_CHECK(worker_ != nullptr, "coexec: only an 'async' capture describes steps");
@@ -454,7 +455,7 @@ class Capture {
       const auto& name = o.op->schema().operator_name();
       ops.append(py::make_tuple(o.index, name.name + (name.overload_name.empty() ? "" : "." + name.overload_name),
                                 reinterpret_cast<int64_t>(o.op), o.ns, o.at_once, o.random, o.reads, o.writes,
-                                o.makes, values, o.workspace, o.backward));
+                                o.makes, values, o.workspace, o.backward, o.made_after));
     }
     py::list fetched, released, alive;
     for (uint64_t id : log.fetched)
@@ -476,9 +477,10 @@ class Capture {
                  const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
                  const std::vector<int64_t>& value_bytes,
                  const std::vector<std::tuple<std::vector<uint32_t>, int64_t, int64_t, int64_t, int64_t>>& parks,
-                 int64_t arena_bytes, const std::vector<std::tuple<int64_t, int64_t, int64_t>>& placed) {
+                 int64_t arena_bytes, const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& placed) {
     auto d = std::make_shared<Drops>();
-    if (arena_bytes > 0 && !placed.empty()) place(*d, ops.size(), arena_bytes, placed);
+    keep_learnt();
+    if (arena_bytes > 0 && !placed.empty()) place(*d, ops.size(), arena_bytes, placed, arena_learnt_);
     d->value_bytes = value_bytes;
     for (const auto& [values, out_after, back_after, host_offset, host_bytes] : parks) {
       TORCH_CHECK(out_after < back_after && host_offset >= 0 && host_bytes >= 0,
@@ -507,23 +509,36 @@ class Capture {
     drops_ = std::move(d);
   }
 
-  void clear_drops() { drops_.reset(); }
+  void clear_drops() {
+    keep_learnt();
+    drops_.reset();
+  }
+
+  // What the arena of the plan in use learnt of kernels' allocations (Arena::learn), kept for
+  // the next plan's (a new plan of the same path starts from it; between steps, while the
+  // worker has nothing to run).
+  void keep_learnt() {
+    if (drops_ && drops_->arena) arena_learnt_ = drops_->arena->arena->learnt();
+  }
 
   // The plan's arena (arena.h): one block of `bytes` from the counting allocator, and per
   // placement (place of the op that makes the storage, its bytes, its offset) a region its
   // kernel's allocation of exactly those bytes may take.
   static void place(Drops& d, size_t places, int64_t bytes,
-                    const std::vector<std::tuple<int64_t, int64_t, int64_t>>& placed) {
-    std::vector<std::tuple<int64_t, int64_t, int64_t>> sorted(placed);
+                    const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& placed,
+                    const std::vector<std::tuple<int64_t, int64_t, int32_t>>& learnt) {
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> sorted(placed);
     std::sort(sorted.begin(), sorted.end());
     std::vector<ArenaRegion> regions;
     d.arena_at.assign(places, {0, 0});
-    for (const auto& [at, nbytes, offset] : sorted) {
+    std::vector<int32_t> skips;
+    for (const auto& [at, nbytes, offset, skip] : sorted) {
       TORCH_CHECK(at >= 0 && static_cast<size_t>(at) < places && nbytes > 0 && offset >= 0 && offset % 64 == 0 &&
                       offset + nbytes <= bytes,
                   "coexec: an arena placement is an op's place, its bytes and a 64-byte aligned offset within the arena");
       const auto r = static_cast<uint32_t>(regions.size());
-      regions.push_back({offset, nbytes, {}});
+      regions.push_back({at, offset, nbytes, {}});
+      skips.push_back(static_cast<int32_t>(std::max<int64_t>(skip, 0)));
       auto& [begin, end] = d.arena_at[at];
       if (begin == end) begin = end = r;
       ++end;
@@ -531,6 +546,8 @@ class Capture {
     }
     c10::DataPtr memory = count_cpu_bytes().allocate(static_cast<size_t>(bytes));
     d.arena = std::make_unique<ArenaHandle>(new Arena(std::move(memory), bytes, std::move(regions)));
+    d.arena->arena->pass_over(skips);
+    d.arena->arena->learn_from(learnt);
   }
 
   // Keep the next steps' ops within `cap` bytes of blocks the CPU allocator handed out since its
@@ -668,6 +685,7 @@ class Capture {
   std::vector<std::optional<at::Tensor>> grads_;  // (take_grads)
   // memory plans
   std::shared_ptr<const Drops> drops_;
+  std::vector<std::tuple<int64_t, int64_t, int32_t>> arena_learnt_;  // (keep_learnt)
   bool describe_next_ = false, describing_ = false, followed_ = false, outgrew_ = false;
   std::vector<uint64_t> alive_;  // (described) values Python held at the step's end
   // traces

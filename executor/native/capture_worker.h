@@ -147,6 +147,9 @@ struct LoggedOp {
   bool backward = false;  // issued after the step's first backward() began (its gradients, the update)
   int64_t workspace = 0;  // bytes its kernel allocated and freed again (counted: cpu_bytes.h)
   std::vector<int64_t> reads, writes, makes;  // storage numbers
+  // per storage made: the allocations of its bytes its kernel made before it (an arena region
+  // passes over as many: native/arena.h)
+  std::vector<int32_t> made_after;
   std::vector<std::pair<uint64_t, int64_t>> values;  // per placeholder it made: (number, storage)
 };
 
@@ -176,6 +179,8 @@ class StepLog {
     l.backward = backward;
     l.random = op.hasTag(at::Tag::nondeterministic_seeded);
     CountingCPUAllocator::open_window();  // (installed with the worker: Worker's constructor)
+    allocations_.clear();
+    t_allocations = &allocations_;
     for (size_t i = 0; i < stack.size(); ++i) {
       const bool written = writes_argument(op, i);
       each_tensor(stack[i], [&](const at::Tensor& t) {
@@ -191,6 +196,7 @@ class StepLog {
   void finish(const torch::jit::Stack& out, const std::vector<const Slot*>& slots, int64_t ns) {
     LoggedOp& l = ops.back();
     l.ns = ns;
+    t_allocations = nullptr;
     const auto [peak, end] = CountingCPUAllocator::close_window();
     l.workspace = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
     size_t k = 0;
@@ -201,7 +207,10 @@ class StepLog {
       if (!t.defined() || is_ph(t) || !t.has_storage()) return;
       const size_t known = nbytes.size();
       const int64_t sid = storage(t, false);
-      if (static_cast<size_t>(sid) >= known) l.makes.push_back(sid);
+      if (static_cast<size_t>(sid) >= known) {
+        l.makes.push_back(sid);
+        l.made_after.push_back(allocated_before(t.storage().data(), static_cast<int64_t>(t.storage().nbytes())));
+      }
       if (s != nullptr && s->id != 0) l.values.emplace_back(s->id, sid);
     };
     for (const c10::IValue& r : out) each_tensor(r, one);
@@ -221,6 +230,17 @@ class StepLog {
  private:
   std::unordered_map<const c10::StorageImpl*, int64_t> ids_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> held_;
+  std::vector<std::pair<int64_t, const void*>> allocations_;  // the op's (t_allocations)
+
+  // How many allocations of `nbytes` the op made before the one at `data` (0 where not found).
+  int32_t allocated_before(const void* data, int64_t nbytes) const {
+    int32_t before = 0;
+    for (const auto& [n, p] : allocations_) {
+      if (p == data) return before;
+      if (n == nbytes) ++before;
+    }
+    return 0;
+  }
 
   int64_t storage(const at::Tensor& t, bool input) {
     const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();

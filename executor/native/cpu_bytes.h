@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <new>
 #include <utility>
+#include <vector>
 
 #include "arena.h"
 #include "cpu_block_cache.h"
@@ -25,6 +26,8 @@ struct CPUBytesWindow {
   int64_t live = 0, peak = 0;
 };
 inline thread_local CPUBytesWindow t_window;
+// A described op's allocations on this thread, in order: (bytes, data) (null: not recorded).
+inline thread_local std::vector<std::pair<int64_t, const void*>>* t_allocations = nullptr;
 
 // A window of this thread's allocations opened inside whatever window it has open (whose count
 // they join when it closes): what a stretch of code on the step's thread held at its most.
@@ -73,6 +76,7 @@ class CountingCPUAllocator final : public c10::Allocator {
     new (block) Header{context, deleter, static_cast<int64_t>(n), this, mark};
     add(static_cast<int64_t>(n));
     void* data = block + kHeader;
+    if (t_allocations != nullptr) t_allocations->emplace_back(static_cast<int64_t>(n), data);
     return {data, data, &release, c10::Device(c10::kCPU)};
   }
 
