@@ -10,7 +10,8 @@ and still held when it did), where a plan can meet them, and the smallest budget
 (``BudgetTooSmall`` names it). Both figures come from a described step without a budget as the
 planner counts it (``coexec/native_budget.py``). At each budget the model trains beside an
 eager twin (the same random draws) until ``--steps`` steps have followed the plan; per budget:
-whether every step (planned or not) held within it, every loss bit-equal to eager's, the
+whether every step (planned or not) held within it and the most one held, every loss
+bit-equal to eager's, the
 measured against the planned peak, what the last step recomputed and parked, and the median
 step time (a rough figure: the eager twin's step runs between two).
 """
@@ -46,7 +47,7 @@ def train(budget, key, want, twin=False):
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=key, offload=offload)
     captured = ZOO[name](batch)
     eager = ZOO[name](batch) if twin else None
-    equal, held, ratios, times, last, i = True, True, [], [], None, 0
+    equal, held, worst, ratios, times, last, i = True, True, 0, [], [], None, 0
     deadline = time.monotonic() + 600
     while len(ratios) < want:
         if time.monotonic() > deadline:
@@ -62,6 +63,7 @@ def train(budget, key, want, twin=False):
             equal = equal and torch.equal(torch.as_tensor(want_loss), torch.as_tensor(got))
         s = tape.stats
         held = held and s.peak_bytes <= budget
+        worst = max(worst, s.peak_bytes)
         if s.planned_peak_bytes is not None:
             ratios.append(s.peak_bytes / s.planned_peak_bytes)
             times.append(seconds)
@@ -71,7 +73,7 @@ def train(budget, key, want, twin=False):
         i += 1
     if twin:
         equal = equal and all(torch.equal(a, b) for a, b in zip(eager.model.parameters(), captured.model.parameters()))
-    return tape, ratios, last, equal, held, times
+    return tape, ratios, last, equal, held, times, worst
 
 # the unbudgeted step, described: its peak and activation memory as the planner counts them
 from executor import native
@@ -103,7 +105,7 @@ budgets = [(label, b) for label, b in budgets if b >= smallest] + [("smallest fe
 for label, budget in budgets:
     for attempt in range(3):
         try:
-            tape, ratios, s, equal, held, times = train(budget, (label, attempt), steps, twin=True)
+            tape, ratios, s, equal, held, times, worst = train(budget, (label, attempt), steps, twin=True)
             break
         except coexec.BudgetTooSmall as e:  # (with offloading the smallest moves with the ops' measured times)
             label, budget = label.split(" (")[0] + " (this run)", e.smallest
@@ -111,6 +113,7 @@ for label, budget in budgets:
     print(json.dumps({
         "setting": label, "budget": budget, "peak": peak, "activation": act, "planned": plan.planned_peak,
         "measured": s.peak_bytes, "least ratio": min(ratios), "worst ratio": max(ratios), "held": held,
+        "worst step": worst,
         "bit-equal": equal, "parked": s.offloaded_storages, "recomputed": s.recomputed_ops,
         "step ms": 1e3 * sorted(times)[len(times) // 2],
     }), flush=True)
@@ -142,6 +145,7 @@ def _row(base: dict, r: dict) -> dict:
         "measured MB": r["measured"] / MB,
         "measured / planned": f"{r['least ratio']:.4f}-{r['worst ratio']:.4f}",
         "every step held": r["held"],
+        "worst step MB": r["worst step"] / MB if "worst step" in r else None,
         "bit-equal": r["bit-equal"],
         "recomputed": r["recomputed"],
         "parked": r["parked"],

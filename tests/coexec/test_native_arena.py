@@ -73,10 +73,10 @@ def test_planned_steps_put_their_storages_in_the_arena_bit_equal_at_the_planned_
 
 
 def test_a_convolution_steps_arena_holds_no_more_than_its_steps_without_one() -> None:
-    """The arena is held whole, so it is sized by lifetimes as the worker has them: a value the
-    program let go of is freed after its last reader where the worker is behind (a convolution
-    net's steps), not after the op issued next (held so, the plan's arena was two activations
-    larger, and the planned steps held 29% more than the steps without a plan)."""
+    """The arena is held whole, so it is sized by lifetimes as a planned step has them: a value
+    the program let go of is gone before the op issued next (held through that op, the plan's
+    arena was two activations larger, and the planned steps held 29% more than the steps
+    without a plan)."""
     native.wait()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
