@@ -42,17 +42,12 @@ def _step(state: dict, i: int) -> torch.Tensor:
 def test_planned_steps_put_their_storages_in_the_arena_bit_equal_at_the_planned_peak() -> None:
     native.wait()
     peaks = []
-
-    def step(state: dict, i: int) -> torch.Tensor:
-        loss = _step(state, i)
-        return loss
-
     tape = coexec.GradientTape(backend="native", arena=True, key=("arena", "planned"))
     eager, captured = _state(), _state()
     for i in range(12):
         want = _step(eager, i)
         with tape:
-            got = step(captured, i)
+            got = _step(captured, i)
         coexec.wait_for_plans()
         assert torch.equal(want, got), f"step {i}"
         s = tape.stats
