@@ -203,7 +203,7 @@ class NativeBudget:
         if self.budget is None:
             capture.guard(0)
         else:
-            capture.guard(max(1, self.budget - (cpu.cpu_bytes()[0] if state is None else state)), self.offload)
+            capture.guard(max(1, self.budget - (cpu.cpu_bytes()[0] if state is None else state)))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
         self.parked0, self.placed0 = c.parked, c.placed

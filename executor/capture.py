@@ -184,16 +184,14 @@ class Capture:
                 [tuple(p) for p in plan.parks], plan.arena_bytes, [tuple(p) for p in plan.placed],
             )  # fmt: skip
 
-    def guard(self, cap: int, park: bool = False) -> None:
+    def guard(self, cap: int) -> None:
         """Keep the next steps' ops within ``cap`` bytes of the blocks the CPU allocator handed
         out since ``native.reset_cpu_peak()`` and still holds (``native.cpu_bytes_made()``, a
         step's own bytes when reset as it begins; 0: no guard): before an op that would take them
         past the cap, the worker drops values it can make again (least modeled cost per byte,
-        oldest first) and makes them again where they are read; with ``park`` (offload=True),
-        where none is left to drop, it parks the largest value it watches in host memory, brought
-        back where read. A memory budget's backstop for steps its plan does not cover
-        (coexec/native_plans.py)."""
-        self._c.guard(int(cap), bool(park))
+        oldest first) and makes them again where they are read. A memory budget's backstop for
+        steps its plan does not cover (coexec/native_plans.py)."""
+        self._c.guard(int(cap))
 
     @property
     def followed(self) -> bool:

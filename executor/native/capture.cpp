@@ -258,7 +258,7 @@ class Capture {
     }
     g_describing.store(describing_);
     if (worker_) {
-      worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_, cap_, guard_parks_);
+      worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_, cap_);
       // (the worker computes the step: this thread's team goes, openmp_team.h; at most every
       // kTeamReleaseEvery: a step that runs parallel ops at once here, a backward inside a
       // catching try, makes the team again within the step, and letting it go at every step
@@ -553,10 +553,9 @@ class Capture {
   // Keep the next steps' ops within `cap` bytes of blocks the CPU allocator handed out since its
   // reset_peak() and still held (0: no guard), by dropping values where an op would go past it
   // (Worker::make_room).
-  void guard(int64_t cap, bool park) {
+  void guard(int64_t cap) {
     TORCH_CHECK(cap >= 0, "coexec: a guard's cap is a byte count (0: none), not ", cap);
     cap_ = cap;
-    guard_parks_ = park;
   }
 
   // Did the last step follow its memory plan to its end (false: it met another op first, or had none)?
@@ -687,7 +686,6 @@ class Capture {
   // memory plans
   std::shared_ptr<const Drops> drops_;
   std::vector<std::tuple<int64_t, int64_t, int32_t>> arena_learnt_;  // (keep_learnt)
-  bool guard_parks_ = false;  // (guard: the worker's guard may park values, offload=True)
   bool describe_next_ = false, describing_ = false, followed_ = false, outgrew_ = false;
   std::vector<uint64_t> alive_;  // (described) values Python held at the step's end
   // traces

@@ -316,12 +316,7 @@ struct Parked {
     c10::DispatchKeySet keys;
   };
   std::vector<Member> members;
-  const uint8_t* host = nullptr;  // its slice of the pool (or of `own`)
-  std::unique_ptr<uint8_t[]> own;  // a guard's parked bytes (Worker::park_for_room)
-  // a guard's in a described step: its log, told of the storage the values come back to (the
-  // same storage to the plan as `was`, the one they left)
-  StepLog* log = nullptr;
-  const void* was = nullptr;
+  const uint8_t* host = nullptr;  // its slice of the pool
   int64_t nbytes = 0;
   c10::Allocator* allocator = nullptr;  // its storage's: the memory it comes back to
   bool back = false;
@@ -344,7 +339,6 @@ void bring_back(Parked& p, bool early) {
     if (!s || s->parked.get() != &p) continue;
     at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(st), m.keys, m.dtype);
     t.unsafeGetTensorImpl()->set_sizes_and_strides(m.sizes, m.strides, m.offset);
-    if (p.log != nullptr) p.log->remade(t, p.was);
     s->real = std::move(t);
     s->parked.reset();
   }
@@ -608,9 +602,7 @@ class Worker final : public RoomMaker {
   // thread while the worker has nothing to run (before the step's first op is published).
   // `cap`: the bytes the CPU allocator handed out since its reset_peak() (made()) that the step's
   // ops keep within (0: no guard; Worker::guard).
-  void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value, int64_t cap,
-                bool guard_parks = false) {
-    guard_parks_ = guard_parks && cap > 0;
+  void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value, int64_t cap) {
     drops_ = std::move(drops);
     following_ = drops_ != nullptr;
     outgrew_ = false;
@@ -646,8 +638,6 @@ class Worker final : public RoomMaker {
     for (auto& p : parked_)
       if (p) bring_back(*p, true);
     parked_.clear();
-    for (auto& p : guard_parked_) bring_back(*p, true);
-    guard_parked_.clear();
     parkable_.clear();
     drops_.reset();
     cap_ = 0;
@@ -725,8 +715,6 @@ class Worker final : public RoomMaker {
     int64_t at;  // the op's place
   };
   int64_t cap_ = 0;
-  bool guard_parks_ = false;  // offload=True: where nothing can be dropped, park (park_for_room)
-  std::vector<std::shared_ptr<Parked>> guard_parked_;
   std::vector<Guarded> guarded_;
   std::unordered_map<uint64_t, int64_t> workspace_;  // by op and place (workspace_key)
   std::atomic<int64_t> evicted_{0}, overruns_{0};
@@ -925,20 +913,11 @@ class Worker final : public RoomMaker {
     if (static_cast<size_t>(st.use_count()) != slots.size() || nbytes > plan.host_bytes || st.allocator() == nullptr ||
         plan.host_offset + nbytes > pool_bytes_)
       return;
-    parked_[k] = park_slots(slots, pool_.get() + plan.host_offset, nullptr);
-  }
-
-  // Copy the storage of `slots`' values (they alone hold it) to `host` (or to a copy of its own:
-  // `own`), and let go of it: the slots' values come back from there when read (value_of).
-  static std::shared_ptr<Parked> park_slots(const std::vector<std::shared_ptr<Slot>>& slots, uint8_t* host,
-                                            std::unique_ptr<uint8_t[]> own) {
-    const c10::Storage& st = slots.front()->real.storage();
     auto p = std::make_shared<Parked>();
-    p->nbytes = static_cast<int64_t>(st.nbytes());
-    p->own = std::move(own);
-    p->host = host != nullptr ? host : p->own.get();
+    p->host = pool_.get() + plan.host_offset;
+    p->nbytes = nbytes;
     p->allocator = st.allocator();
-    if (p->nbytes > 0) std::memcpy(const_cast<uint8_t*>(p->host), st.data(), p->nbytes);
+    if (nbytes > 0) std::memcpy(pool_.get() + plan.host_offset, st.data(), nbytes);
     for (const auto& s : slots) {
       const at::Tensor& t = s->real;
       p->members.push_back({s, t.sizes().vec(), t.strides().vec(), t.storage_offset(), t.dtype(), t.key_set()});
@@ -947,41 +926,8 @@ class Worker final : public RoomMaker {
       s->parked = p;
       s->real = at::Tensor();
     }
+    parked_[k] = std::move(p);
     g_parked.fetch_add(1, std::memory_order_relaxed);
-    return p;
-  }
-
-  // With offload=True, where dropping cannot make room (no value the guard may drop is left:
-  // a budget below what recomputation alone can meet, before its plan arrives): park the
-  // largest storage the guard watches that `e` does not read, that its values alone hold, in
-  // memory of its own outside the count; it comes back where it is read. False: none.
-  bool park_for_room(const TapeEntry* e) {
-    std::unordered_map<const c10::StorageImpl*, std::vector<std::shared_ptr<Slot>>> groups;
-    for (const auto& g : guarded_) {
-      auto s = g.slot.lock();
-      if (!s || !s->real.defined() || s->parked) continue;
-      if (e != nullptr && std::find(e->slots.begin(), e->slots.end(), s) != e->slots.end()) continue;
-      const at::Tensor& t = s->real;
-      if (!t.has_storage() || t.layout() != c10::kStrided || !t.device().is_cpu() || t.requires_grad() ||
-          t.use_count() != 1 || t.storage().allocator() == nullptr)
-        continue;
-      groups[t.storage().unsafeGetStorageImpl()].push_back(std::move(s));
-    }
-    const std::vector<std::shared_ptr<Slot>>* pick = nullptr;
-    size_t most = 0;
-    for (const auto& [storage, members] : groups) {
-      if (static_cast<size_t>(members.front()->real.storage().use_count()) != members.size()) continue;
-      if (storage->nbytes() > most) {
-        most = storage->nbytes();
-        pick = &members;
-      }
-    }
-    if (pick == nullptr || most < static_cast<size_t>(kGuardMinBytes)) return false;
-    const void* was = pick->front()->real.storage().unsafeGetStorageImpl();
-    guard_parked_.push_back(park_slots(*pick, nullptr, std::unique_ptr<uint8_t[]>(new uint8_t[most])));
-    guard_parked_.back()->log = log();
-    guard_parked_.back()->was = was;
-    return true;
   }
 
   // -- the budget's guard: values dropped where the step would go over its cap ----------------
@@ -1046,15 +992,7 @@ class Worker final : public RoomMaker {
   // be dropped by make_room.
   void guard(const TapeEntry& e) {
     // (a gradient's recipe would hold the forward's values to the step's end through .grad)
-    if (!e.forward || e.out_slots.empty() || t_remaking > 0) return;
-    if (!remakeable(*e.op)) {  // (no recipe: with offload=True it may still be parked)
-      if (guard_parks_)
-        for (const auto& s : e.out_slots)
-          if (s && s->real.defined() && s->id >= first_value_ && s->real.has_storage() &&
-              static_cast<int64_t>(s->real.storage().nbytes()) >= kGuardMinBytes)
-            guarded_.push_back({s, e.index});
-      return;
-    }
+    if (!e.forward || e.out_slots.empty() || t_remaking > 0 || !remakeable(*e.op)) return;
     std::shared_ptr<Recipe> recipe;
     int64_t cost = -1;
     for (const auto& s : e.out_slots) {
@@ -1086,13 +1024,7 @@ class Worker final : public RoomMaker {
   void make_room(const TapeEntry& e) {
     int64_t need = e.made_bytes;
     for (const auto& s : e.slots)
-      if (s && !s->real.defined()) {
-        if (s->parked) {
-          need += s->parked->nbytes;
-        } else if (s->recipe) {
-          need += remaking(*s, kLongestChain).bytes;
-        }
-      }
+      if (s && !s->real.defined() && s->recipe) need += remaking(*s, kLongestChain).bytes;
     make_room(e, need);
   }
 
@@ -1219,7 +1151,6 @@ class Worker final : public RoomMaker {
         }
       }
       if (pick == nullptr) {
-        if (guard_parks_ && park_for_room(e)) continue;
         overruns_.fetch_add(1, std::memory_order_relaxed);
         return;
       }
