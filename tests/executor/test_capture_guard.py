@@ -134,10 +134,10 @@ def test_what_the_guard_drops_does_not_follow_how_fast_kernels_run() -> None:
     sizes, not measured kernel times: on an idle machine and beside CPU hogs the same steps drop
     and make again the same values and peak at the same bytes (with measured times, 1 in 4 runs
     of a budget test beside a hog chose a chain of dropped values that a backward op needed at
-    once, over its budget; this test failed 4 of 4 runs then). In a fresh process: inside the
-    full suite it once saw two outcomes (2026-12-02 CI, after 1400 other tests' threads and
-    state; not reproduced alone or in 3 runs of tests/executor -k guard): a timing dependence
-    left elsewhere, such as the guard's read of which values Python still holds, is open."""
+    once, over its budget; this test failed 4 of 4 runs then). In a fresh process. Inside the
+    full suite it saw two outcomes (once on 2026-12-02; 2 of 2 clean-clone runs on 2026-12-07,
+    and 1 of 11 runs alone) while the guard scored a value by whether Python still held it, a
+    read of how far the step's thread had got; that term is gone (544cae9)."""
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import test_capture_guard as t; "
         "seen = t.guarded_runs_idle_and_beside_hogs(); print(len(seen), sorted(seen))"
