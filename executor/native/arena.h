@@ -74,9 +74,6 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
-  int64_t bytes() const { return bytes_; }
-  size_t regions() const { return regions_.size(); }
-
   // The region `r`'s bytes for an allocation of `n` bytes, if they are its size and free, no
   // region sharing them is held, and the allocations of its size its op makes before its
   // storage have been passed over (learn()); null otherwise. The worker's thread only (placements
