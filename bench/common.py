@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,16 @@ def markdown_table(rows: list[dict]) -> str:
         cells = (r.get(c, "") for c in cols)
         lines.append("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells) + " |")
     return "\n".join(lines)
+
+
+def write_table(rows: list[dict], name: str) -> str:
+    """``rows`` as a markdown table, printed and written to ``bench/out/<name>.md``."""
+    table = markdown_table(rows)
+    print(table)
+    out = Path(__file__).parent / "out" / f"{name}.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(table + "\n")
+    return table
 
 
 def pyplot():

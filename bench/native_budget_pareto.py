@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import markdown_table
+from common import write_table
 
 _CHILD = r"""
 import json, sys, time
@@ -169,11 +169,7 @@ def main() -> None:
                 print(json.dumps(r), file=sys.stderr, flush=True)
             print(f"{name}, offload={offload}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             rows += got
-    table = markdown_table(rows)
-    print(table)
-    out = Path(__file__).parent / "out" / "native_budget_pareto.md"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(table + "\n")
+    write_table(rows, "native_budget_pareto")
 
 
 if __name__ == "__main__":

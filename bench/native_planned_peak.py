@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import markdown_table
+from common import write_table
 
 _CHILD = r"""
 import json, sys, time
@@ -167,11 +167,7 @@ def main() -> None:
         for mode in modes:
             rows.append(run(kind, name, batch, mode, args.steps, args.timeout))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    table = markdown_table(rows)
-    print(table)
-    out = Path(__file__).parent / "out" / "native_planned_peak.md"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(table + "\n")
+    write_table(rows, "native_planned_peak")
 
 
 if __name__ == "__main__":
