@@ -1331,15 +1331,17 @@ class Worker final : public RoomMaker {
           if (drops_ || cap_ > 0) guard_writes(e);
           if (cap_ > 0) {
             make_room(e);
-            run_guarded(e);
-          } else if (StepLog* l = log()) {
-            run_entry(e, l);
-            note_workspace(e, l->ops.back().workspace);  // (for a guard on the steps after)
+            run_guarded(e, offer);
           } else {
-            run_entry(e, nullptr);
+            if (StepLog* l = log()) {
+              run_entry(e, l);
+              note_workspace(e, l->ops.back().workspace);  // (for a guard on the steps after)
+            } else {
+              run_entry(e, nullptr);
+            }
+            if (offer.arena != nullptr) learn(e, offer);
           }
           t_next_offer = nullptr;
-          if (offer.arena != nullptr) learn(e, offer);
           if (drops_ && following_) follow(e);
           busy_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
         } catch (const std::exception& ex) {
@@ -1369,10 +1371,14 @@ class Worker final : public RoomMaker {
   }
 
   // Run `e` under the guard: its workspace measured, its new values guarded.
-  void run_guarded(TapeEntry& e) {
+  // (`offer`: its arena placements, learnt from before the guard may drop its outputs: a
+  // region whose output was dropped at once looked passed over, and the next step's output
+  // then skipped it, every other step, 64 KB over a budget)
+  void run_guarded(TapeEntry& e, const ArenaOffer& offer) {
     StepLog* log = this->log();
     int64_t ws = 0;
     run_entry(e, log, &ws);
+    if (offer.arena != nullptr) learn(e, offer);
     making_.store(0, std::memory_order_relaxed);
     if (log != nullptr) ws = log->ops.back().workspace;  // (a described op's window is the log's)
     note_workspace(e, ws);
