@@ -2,7 +2,8 @@
 :class:`~executor.step_plans.StepDescription`) planned into a
 :class:`~executor.step_plans.DropPlan` the capture's worker follows on the steps after it: under
 a budget by the planner's recomputation and offloading (:func:`planner.plan_remat`); with
-``arena=True`` (without a budget) by placing its storages in one arena (:func:`planner.plan_arena`).
+``arena=True`` by placing its storages in one arena (:func:`planner.plan_arena`), under a budget
+those the budget's plan neither drops nor parks, the arena counted whole in the budget.
 
 The worker drops a value after the op the plan names and makes it again from its kept producer
 when it is next read (``native/capture_worker.h``), and puts a planned storage in the arena only
@@ -123,20 +124,29 @@ def parks(plan: RematPlan, values_of: dict[int, list[int]]) -> tuple[Park, ...]:
 
 
 def plan_native_budget(
-    d: StepDescription, budget: int, time_limit: float = 10.0, bandwidth: Bandwidth | None = None
+    d: StepDescription,
+    budget: int,
+    time_limit: float = 10.0,
+    bandwidth: Bandwidth | None = None,
+    arena: bool = False,
 ) -> NativeBudgetPlan:
     """The plan that keeps the described step's path within ``budget`` bytes (persistent state
     included, UNSEEN_BYTES left free) at the least recomputation; with ``bandwidth`` (the host
     copy channel's, offload=True), storages may be parked in the host pool instead of
-    recomputed. Raises :class:`planner.BudgetTooSmall` naming the smallest budget a plan meets."""
+    recomputed; with ``arena``, the storages it neither drops nor parks are placed in one arena
+    (:func:`arena_placements`), the arena counted whole in the budget. Raises
+    :class:`planner.BudgetTooSmall` naming the smallest budget a plan meets."""
+    t0 = time.perf_counter()
     g = planning_graph(d)
     random = {j for j, o in enumerate(d.ops) if o.random}  # (the worker does not replay generators)
+    limit = budget - UNSEEN_BYTES
     try:
-        plan: RematPlan = plan_remat(
-            g, budget - UNSEEN_BYTES, time_limit=time_limit, banned=random, bandwidth=bandwidth
-        )
+        plan: RematPlan = plan_remat(g, limit, time_limit=time_limit, banned=random, bandwidth=bandwidth)
     except BudgetTooSmall as e:
         raise BudgetTooSmall(budget, e.smallest + UNSEEN_BYTES, e.detail) from None
+    placed, arena_bytes, planned_peak = (), 0, plan.peak
+    if arena:
+        plan, (placed, arena_bytes, planned_peak) = _with_arena(d, g, plan, limit, time_limit, random, bandwidth)
     values_of: dict[int, list[int]] = {}
     value_bytes: dict[int, int] = {}  # (the plan's sizes: a step that makes a larger value stops following it)
     for o in d.ops:
@@ -155,24 +165,68 @@ def plan_native_budget(
         {place: tuple(vs) for place, vs in after.items()},
         tuple(value_bytes.get(v, 0) for v in range(1 + max(value_bytes, default=-1))),
         parks(plan, values_of),
+        arena_bytes,
+        placed,
     )
     base = replay(g, plan.order, check_order=False)
     return NativeBudgetPlan(
-        drops, budget, base.peak, plan.peak, g.persistent_bytes, len(plan.dropped),
-        plan.extra_seconds, plan.predicted_seconds, plan.method, plan.seconds, len(drops.parks),
+        drops, budget, base.peak, planned_peak, g.persistent_bytes, len(plan.dropped),
+        plan.extra_seconds, plan.predicted_seconds, plan.method, time.perf_counter() - t0, len(drops.parks),
+        arena_bytes, len(placed),
     )  # fmt: skip
 
 
-def arena_placements(d: StepDescription, g: PlanningGraph, optimize_seconds: float = 0.0) -> tuple[tuple[Placed, ...], int, int]:
-    """The described step's storages placed in one arena over their lifetimes in issue order:
-    the placements, the arena's bytes, and the step's planned peak with the arena held whole
-    (persistent state, the arena, and at their most the storages outside it with the ops'
-    workspace). Placed: local storages (made and let go of within the step) that an op on the
-    worker allocated, where holding the arena whole does not raise the step's peak
-    (:func:`planner.arena.select_placed`); every placement is checked by the simulator
-    (:func:`planner.arena.plan_arena`)."""
+# Plans made again at a lower budget when the arena, held whole, takes a budget's plan over it
+# (what placement adds, twice, taken off each time); after these, the plan has no arena.
+ARENA_ROUNDS = 3
+
+
+def _with_arena(
+    d: StepDescription,
+    g: PlanningGraph,
+    plan: RematPlan,
+    limit: int,
+    time_limit: float,
+    banned: set[int],
+    bandwidth: Bandwidth | None,
+) -> tuple[RematPlan, tuple[tuple[Placed, ...], int, int]]:
+    """``plan`` (or one made to a lower budget) with its arena, whose planned peak is within
+    ``limit``: the arena is held whole beside the storages outside it, so placing may add to
+    the plan's peak (two peaks at different places); where no plan's does fit, the first plan
+    without an arena (the budget comes first)."""
+    target = limit
+    candidate = plan
+    for _ in range(ARENA_ROUNDS):
+        found = arena_placements(d, g, candidate, limit=limit)
+        if found[2] <= limit:
+            return candidate, found
+        target -= 2 * (found[2] - limit)
+        try:
+            candidate = plan_remat(g, target, time_limit=time_limit, banned=banned, bandwidth=bandwidth)
+        except BudgetTooSmall:
+            break
+    return plan, ((), 0, plan.peak)
+
+
+def arena_placements(
+    d: StepDescription,
+    g: PlanningGraph,
+    plan: RematPlan | None = None,
+    optimize_seconds: float = 0.0,
+    limit: int | None = None,
+) -> tuple[tuple[Placed, ...], int, int]:
+    """The described step's storages placed in one arena over their lifetimes in issue order
+    (under ``plan``, a budget's: as it frees them): the placements, the arena's bytes, and the
+    step's planned peak with the arena held whole (persistent state, the arena, and at their
+    most the storages outside it with the ops' workspace). Placed: local storages (made and let
+    go of within the step) that an op on the worker allocated, resident in one stretch (not made
+    again or parked: the worker places an op's own allocations, not a remake's or a copy's),
+    where holding the arena whole does not raise the step's peak
+    (:func:`planner.arena.select_placed`), or (``limit``: a budget's) where it stays within
+    ``limit``; every placement is checked by the simulator (:func:`planner.arena.plan_arena`)."""
     order = list(range(len(g)))
-    r = replay(g, order)
+    segments = replay(g, order).segments if plan is None else plan.segments
+    persistent = g.persistent_bytes
     maker: dict[int, int] = {}  # storage -> the place of the op that allocated it (on the worker)
     passed_over: dict[int, int] = {}  # storage -> allocations of its bytes its op made before it
     for o in d.ops:
@@ -188,17 +242,20 @@ def arena_placements(d: StepDescription, g: PlanningGraph, optimize_seconds: flo
                 maker.setdefault(sid, o.place)
     keys = {
         sid: sid for sid, s in g.storages.items()
-        if s.kind == LOCAL and s.nbytes > 0 and sid in maker and r.segments.get(sid)
+        if s.kind == LOCAL and s.nbytes > 0 and sid in maker and len(segments.get(sid, ())) == 1
     }  # fmt: skip
-    chosen = select_placed([(g, keys, r.segments)])
+    chosen = select_placed([(g, keys, segments)], ceiling=limit)
     if not chosen:
-        return (), 0, r.peak
-    arena = plan_arena([(g, {sid: sid for sid in chosen})], optimize_seconds=optimize_seconds)
-    _inside, outside = split_peaks(g, order, r.segments, frozenset(chosen))
+        _inside, outside = split_peaks(g, order, segments, frozenset())
+        return (), 0, persistent + outside
+    # (under a plan, each storage's stretch as the plan frees it; else from its op to its last use)
+    stretches = None if plan is None else [{sid: segments[sid] for sid in chosen}]
+    arena = plan_arena([(g, {sid: sid for sid in chosen})], optimize_seconds=optimize_seconds, stretches=stretches)
+    _inside, outside = split_peaks(g, order, segments, frozenset(chosen))
     placed = tuple(sorted(
         Placed(maker[sid], g.storages[sid].nbytes, arena.offsets[sid], passed_over.get(sid, 0)) for sid in chosen
     ))  # fmt: skip
-    return placed, arena.arena_bytes, g.persistent_bytes + arena.arena_bytes + outside
+    return placed, arena.arena_bytes, persistent + arena.arena_bytes + outside
 
 
 def plan_native_arena(d: StepDescription, optimize_seconds: float = 5.0) -> NativeBudgetPlan:
@@ -208,7 +265,7 @@ def plan_native_arena(d: StepDescription, optimize_seconds: float = 5.0) -> Nati
     t0 = time.perf_counter()
     g = planning_graph(d)
     base = replay(g, list(range(len(g))))
-    placed, arena_bytes, planned_peak = arena_placements(d, g, optimize_seconds)
+    placed, arena_bytes, planned_peak = arena_placements(d, g, optimize_seconds=optimize_seconds)
     drops = DropPlan(
         tuple(0 if o.at_once else o.op_id for o in d.ops), frozenset(), {}, arena_bytes=arena_bytes, placed=placed
     )
@@ -222,10 +279,10 @@ def plan_native_arena(d: StepDescription, optimize_seconds: float = 5.0) -> Nati
 def plan_native(
     d: StepDescription, budget: int | None, bandwidth: Bandwidth | None = None, arena: bool = False
 ) -> NativeBudgetPlan:
-    """The described step's plan: under ``budget`` (:func:`plan_native_budget`), else its
-    arena (:func:`plan_native_arena`; ``arena`` must then be set)."""
+    """The described step's plan: under ``budget`` (:func:`plan_native_budget`, with an arena
+    if ``arena``), else its arena alone (:func:`plan_native_arena`; ``arena`` must then be set)."""
     if budget is not None:
-        return plan_native_budget(d, budget, bandwidth=bandwidth)
+        return plan_native_budget(d, budget, bandwidth=bandwidth, arena=arena)
     if not arena:
         raise ValueError("a native memory plan needs a memory budget or arena=True")
     return plan_native_arena(d)

@@ -153,7 +153,7 @@ class NativeBudget:
         if budget is None and not arena:
             raise ValueError("a native memory plan needs a memory budget or arena=True")
         self.budget = budget
-        self.arena = arena and budget is None  # (under a budget the arena is not planned on this backend)
+        self.arena = arena
         self.offload = offload  # plans may park values in the host pool (bandwidth measured at the first plan)
         self.where = where  # the ``with`` statement (for the warning below)
         self.unplannable = 0  # steps in a row that ran at once ops to be described, or off the plan
@@ -199,11 +199,16 @@ class NativeBudget:
         cpu.reset_cpu_peak()
         # (the guard: the step's own bytes kept within what the budget leaves beside its state;
         # the first step's state is not known: everything alive as it begins is counted)
+        # (an arena the plan holds is allocated whole before the step, beside its state: the
+        # bytes the step makes in it are not counted again)
         state = self._state()
         if self.budget is None:
             capture.guard(0)
+        elif state is None:
+            capture.guard(max(1, self.budget - cpu.cpu_bytes()[0]))
         else:
-            capture.guard(max(1, self.budget - (cpu.cpu_bytes()[0] if state is None else state)))
+            held = followed.arena_bytes if followed is not None else 0
+            capture.guard(max(1, self.budget - state - held))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
         self.parked0, self.placed0 = c.parked, c.placed

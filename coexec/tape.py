@@ -396,8 +396,9 @@ class GradientTape:
     kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, a
     TraceGraph from its traced steps, no ``sync="none"``; a ``memory_budget`` is met by
     recomputation, and with ``offload=True`` by parking storages in a host pool; ``arena=True``
-    without a budget puts a described step's storages in one arena, ops as issued; an arena
-    with a budget is the interpret backend's; steps run eagerly until the native module is built, and while another
+    puts a described step's storages in one arena, ops as issued (under a budget, those the
+    budget's plan does not drop, the arena counted whole in it; with offloading too, the
+    interpret backend's); steps run eagerly until the native module is built, and while another
     thread's step is being captured (one at a time in a process: ``stats.beside_steps``), and
     from a ``torch.compile``d region's call to the step's end (``stats.compiled_steps``);
     docs/coexec.md, *Capture*; ``"interpret"``: traced into a TraceGraph, co-executed by the Python skeleton
@@ -805,7 +806,7 @@ def _report_row(
     }
 
 
-def _auto_backend(sync: str, arena: bool | None, offload: bool | None, budget: int | None = None) -> str:
+def _auto_backend(sync: str, arena: bool | None, offload: bool | None, budget: int | None) -> str:
     """What ``backend="auto"`` runs: the native backend where it can serve the tape (no GPU or
     other accelerator on the machine: it captures CPU steps only; no option only the
     interpret backend has; its module not known to be unbuildable), else the interpret backend."""
@@ -814,13 +815,13 @@ def _auto_backend(sync: str, arena: bool | None, offload: bool | None, budget: i
     return "interpret" if native.unavailable() or torch.accelerator.is_available() else "native"
 
 
-def _native_refusal(sync: str, arena: bool | None, offload: bool | None, budget: int | None = None) -> str | None:
+def _native_refusal(sync: str, arena: bool | None, offload: bool | None, budget: int | None) -> str | None:
     """Why the native backend cannot honour these options (they would be ignored there), or
     None: ``backend="native"`` raises it, ``"auto"`` picks the interpret backend."""
-    if arena and budget is not None:
+    if arena and offload and budget is not None:
         return (
-            "arena=True with a memory_budget: the native backend plans an arena without a budget, and a "
-            "budget by recomputation and offloading, not both in one plan yet; backend='interpret' plans them jointly"
+            "arena=True with a memory_budget and offload=True: the native backend plans an arena under a "
+            "budget met by recomputation, not yet with offloading; backend='interpret' plans the three jointly"
         )
     if sync != "step":
         return "sync='none': a native-backend step always ends with its values computed"
@@ -861,7 +862,7 @@ class _NativeStep:
         try:
             if budget is not None or arena:  # (raises BudgetTooSmall before the step runs)
                 b = program.native_budget
-                if b is None or (b.budget, b.offload, b.arena) != (budget, offload, arena and budget is None):
+                if b is None or (b.budget, b.offload, b.arena) != (budget, offload, arena):
                     program.native_budget = NativeBudget(budget, program.where, offload, arena)
                 self.budget = program.native_budget
                 for line in self.budget.before(self.capture, native.wait()):

@@ -93,6 +93,7 @@ def select_placed(
     paths: list[tuple[PlanningGraph, dict[int, Hashable], Stretches]],
     unit: Callable[[Hashable], Hashable] = lambda key: key,
     orders: list[list[int]] | None = None,
+    ceiling: int | None = None,
 ) -> set[Hashable]:
     """Which keys to place in an arena that is held whole: the step then needs, on its worst
     path, the arena (the most placed bytes resident at once on any path) *plus* the most of
@@ -109,8 +110,13 @@ def select_placed(
     until none can go; then put back, largest first and until none can, every key whose return
     does not raise it. A local optimum: no single key can go back in for free, but the
     allocator's peak is not always reached (197 of 200 random small steps,
-    ``tests/planner/test_arena_select.py``), and where the search ends above it by more than
-    :data:`ARENA_SLACK`, nothing is placed."""
+    ``tests/planner/test_arena_select.py``). Where the search ends above it by more than
+    :data:`ARENA_SLACK`, the arena starts empty instead and takes keys, largest first, while
+    the total stays at the allocator's peak.
+
+    ``ceiling``: the most the step may need (a memory budget's plan, whose peak is often near
+    its budget at many places, so that an arena held whole rarely comes free): keys go back in
+    while the total stays within it, and it replaces the slack above."""
     profiles = []  # per path: bytes of placed keys, of the rest; and per key, its stretches
     where: dict[Hashable, list[tuple[int, int, int, int]]] = {}  # key -> (path, a, b, bytes)
     for i, (g, keys, resident) in enumerate(paths):
@@ -164,16 +170,26 @@ def select_placed(
             move(key, -1)
         else:
             break
-    added = True
-    while added:  # back in where that costs nothing (the more the arena holds, the better),
-        added = False  # until none can: one that goes in may make room under the arena for another
-        for key in sorted(set(where) - placed, key=lambda k: (-size[k], str(k))):
-            move(key, -1)
-            if total() <= best:
-                placed.add(key)
-                added = True
-            else:
-                move(key, 1)
-    if best > (1 + ARENA_SLACK) * unplaced:  # a local optimum well above the allocator's peak
-        return set()
+    def fill(allowed: int) -> None:
+        """Back in where the total stays within ``allowed`` (the more the arena holds, the
+        better), until none can: one that goes in may make room under the arena for another."""
+        added = True
+        while added:
+            added = False
+            for key in sorted(set(where) - placed, key=lambda k: (-size[k], str(k))):
+                move(key, -1)
+                if total() <= allowed:
+                    placed.add(key)
+                    added = True
+                else:
+                    move(key, 1)
+
+    fill(best if ceiling is None else max(best, ceiling))
+    most = (1 + ARENA_SLACK) * unplaced if ceiling is None else ceiling
+    if total() > most:
+        # a local optimum well above the allocator's peak: from an empty arena instead
+        for key in list(placed):
+            move(key, 1)
+        placed.clear()
+        fill(unplaced if ceiling is None else ceiling)
     return {k for _g, keys, _r in paths for k in keys.values() if unit(k) in placed}

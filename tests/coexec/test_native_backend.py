@@ -173,10 +173,6 @@ def test_steps_run_eagerly_until_the_native_module_is_built(monkeypatch) -> None
     ("options", "message"),
     [
         (
-            {"arena": True, "memory_budget": "1GB"},
-            "arena=True with a memory_budget: the native backend plans an arena without a budget",
-        ),
-        (
             {"sync": "none"},
             "sync='none': a native-backend step always ends with its values computed",
         ),
