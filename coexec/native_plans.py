@@ -341,9 +341,10 @@ class NativeBudget:
                 f"storage(s), peak {format_bytes(p.eager_peak)} -> {format_bytes(p.planned_peak)}, planned in "
                 f"{p.planning_seconds:.2f} s"
             )
+        arena = f", an arena of {format_bytes(p.arena_bytes)} for {p.placed} storage(s)" if p.placed else ""
         return (
             f"memory plan {self.plans} ready: peak {format_bytes(p.eager_peak)} -> "
             f"{format_bytes(p.planned_peak)} (budget {format_bytes(p.budget)}), {p.recomputed} op(s) "
-            f"recomputed (+{1e3 * p.extra_seconds:.1f} ms), planned in {p.planning_seconds:.2f} s ({p.method})"
+            f"recomputed (+{1e3 * p.extra_seconds:.1f} ms){arena}, planned in {p.planning_seconds:.2f} s ({p.method})"
         )
 
