@@ -423,7 +423,29 @@ std::atomic<RoomMaker*> g_room{nullptr};
 // arguments are gathered (those made again first are held by the stack then, not dropped).
 // The arena placements of the next op run_op calls on this thread (the worker's, following a
 // plan with an arena): its kernel's allocations only, not those of dropped inputs it makes again.
+// (set by the worker's loop right before the op's run_op, which takes it first)
 thread_local const ArenaOffer* t_next_offer = nullptr;
+
+// After a kernel ran with arena placements (its outputs on `stack`): a region holding one of
+// them counts as placed; the others learn which allocation of their size is the output's
+// (Arena::learn). Here, before anything may drop the outputs: learnt after the guard, a
+// region whose output the guard dropped at once looked passed over, the next step's output
+// skipped it, and every other step went 64 KB over a budget.
+inline void learn_placements(const ArenaOffer& offer, const torch::jit::Stack& stack) {
+  for (size_t i = 0; i < offer.count; ++i) {
+    const uint32_t r = offer.regions[i];
+    bool held = false;
+    for (const c10::IValue& v : stack)
+      each_tensor(v, [&](const at::Tensor& t) {
+        held = held || (t.defined() && t.has_storage() && offer.arena->holds(r, t.storage().data()));
+      });
+    if (held) {
+      g_arena_placed.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      offer.arena->learn(r);
+    }
+  }
+}
 
 template <typename Out>
 void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1, int64_t* workspace = nullptr) {
@@ -447,6 +469,7 @@ void run_op(const TapeEntry& e, Out outs, StepLog* log, int64_t room = -1, int64
     ArenaOfferScope placed(offer);
     e.op->callBoxed(stack);
   }
+  if (offer != nullptr) learn_placements(*offer, stack);
   if (workspace != nullptr && log == nullptr) {
     const auto [peak, end] = CountingCPUAllocator::close_window();
     *workspace = std::max<int64_t>(0, peak - std::max<int64_t>(0, end));
@@ -863,25 +886,6 @@ class Worker final : public RoomMaker {
         park(ev.park);
       } else if (const auto& p = parked_[ev.park]) {
         bring_back(*p, false);
-      }
-    }
-  }
-
-  // After op `e` ran with arena placements: regions that hold none of its outputs learn which
-  // allocation of their size is the output's (Arena::learn).
-  static void learn(const TapeEntry& e, const ArenaOffer& offer) {
-    for (size_t i = 0; i < offer.count; ++i) {
-      const uint32_t r = offer.regions[i];
-      bool held = false;
-      for (const auto& s : e.out_slots)
-        if (s && s->real.defined() && s->real.has_storage() && offer.arena->holds(r, s->real.storage().data())) {
-          held = true;
-          break;
-        }
-      if (held) {
-        g_arena_placed.fetch_add(1, std::memory_order_relaxed);
-      } else {
-        offer.arena->learn(r);
       }
     }
   }
@@ -1323,29 +1327,25 @@ class Worker final : public RoomMaker {
       if (!failed_.load(std::memory_order_acquire)) {
         const auto t0 = std::chrono::steady_clock::now();
         try {
+          if (drops_ || cap_ > 0) guard_writes(e);
+          if (cap_ > 0) make_room(e);
+          // (after what may make dropped values again first: each remake's run_op would take it)
           ArenaOffer offer;
           if (drops_ && following_ && drops_->offer(e.index, e.op, offer)) {
             offer.arena->begin(offer.regions, offer.count);
             t_next_offer = &offer;
           }
-          if (drops_ || cap_ > 0) guard_writes(e);
           if (cap_ > 0) {
-            make_room(e);
-            run_guarded(e, offer);
+            run_guarded(e);
+          } else if (StepLog* l = log()) {
+            run_entry(e, l);
+            note_workspace(e, l->ops.back().workspace);  // (for a guard on the steps after)
           } else {
-            if (StepLog* l = log()) {
-              run_entry(e, l);
-              note_workspace(e, l->ops.back().workspace);  // (for a guard on the steps after)
-            } else {
-              run_entry(e, nullptr);
-            }
-            if (offer.arena != nullptr) learn(e, offer);
+            run_entry(e, nullptr);
           }
-          t_next_offer = nullptr;
           if (drops_ && following_) follow(e);
           busy_ns_.fetch_add(ns_since(t0), std::memory_order_relaxed);
         } catch (const std::exception& ex) {
-          t_next_offer = nullptr;
           std::lock_guard<std::mutex> g(mu_);
           failed_at_ = e.index;
           error_ = std::current_exception();
@@ -1371,14 +1371,10 @@ class Worker final : public RoomMaker {
   }
 
   // Run `e` under the guard: its workspace measured, its new values guarded.
-  // (`offer`: its arena placements, learnt from before the guard may drop its outputs: a
-  // region whose output was dropped at once looked passed over, and the next step's output
-  // then skipped it, every other step, 64 KB over a budget)
-  void run_guarded(TapeEntry& e, const ArenaOffer& offer) {
+  void run_guarded(TapeEntry& e) {
     StepLog* log = this->log();
     int64_t ws = 0;
     run_entry(e, log, &ws);
-    if (offer.arena != nullptr) learn(e, offer);
     making_.store(0, std::memory_order_relaxed);
     if (log != nullptr) ws = log->ops.back().workspace;  // (a described op's window is the log's)
     note_workspace(e, ws);
