@@ -245,13 +245,12 @@ def arena_placements(
         if s.kind == LOCAL and s.nbytes > 0 and sid in maker and len(segments.get(sid, ())) == 1
     }  # fmt: skip
     chosen = select_placed([(g, keys, segments)], ceiling=limit)
+    _inside, outside = split_peaks(g, order, segments, frozenset(chosen))
     if not chosen:
-        _inside, outside = split_peaks(g, order, segments, frozenset())
         return (), 0, persistent + outside
     # (under a plan, each storage's stretch as the plan frees it; else from its op to its last use)
     stretches = None if plan is None else [{sid: segments[sid] for sid in chosen}]
     arena = plan_arena([(g, {sid: sid for sid in chosen})], optimize_seconds=optimize_seconds, stretches=stretches)
-    _inside, outside = split_peaks(g, order, segments, frozenset(chosen))
     placed = tuple(sorted(
         Placed(maker[sid], g.storages[sid].nbytes, arena.offsets[sid], passed_over.get(sid, 0)) for sid in chosen
     ))  # fmt: skip

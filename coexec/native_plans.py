@@ -207,8 +207,7 @@ class NativeBudget:
         elif state is None:
             capture.guard(max(1, self.budget - cpu.cpu_bytes()[0]))
         else:
-            held = followed.arena_bytes if followed is not None else 0
-            capture.guard(max(1, self.budget - state - held))
+            capture.guard(max(1, self.budget - state - self._arena_held()))
         c = capture.counters
         self.remade0, self.remade_seconds0, self.misses0 = c.remade, c.remade_seconds, c.misses
         self.parked0, self.placed0 = c.parked, c.placed
@@ -252,8 +251,7 @@ class NativeBudget:
         persistent = found if found is not None else self._state()
         # (the arena of the plan the capture holds, allocated whole, beside the bytes made)
         followed = self._followed()
-        held = followed.arena_bytes if followed is not None else 0
-        stats.peak_bytes = (persistent or 0) + held + made_peak
+        stats.peak_bytes = (persistent or 0) + self._arena_held() + made_peak
         stats.planned_peak_bytes = followed.planned_peak if followed is not None else None
         stats.plans_made, stats.planning_seconds = self.plans_made, self.planning_seconds
         c = capture.counters
@@ -274,6 +272,11 @@ class NativeBudget:
         guard alone holds them until a larger step's plan arrives, or for good where none can
         meet the budget)."""
         return None if self.growing else self.plan
+
+    def _arena_held(self) -> int:
+        """The bytes of the arena the plan in use holds whole (0: none)."""
+        followed = self._followed()
+        return followed.arena_bytes if followed is not None else 0
 
     def _state(self) -> int | None:
         """The bytes of the state a step finds (parameters, optimizer state, inputs): as the plan
@@ -335,16 +338,13 @@ class NativeBudget:
             return f"the memory budget {format_bytes(self.budget)} cannot be met"
         self.plans += 1
         p = self.plan
+        arena = f"an arena of {format_bytes(p.arena_bytes)} for {p.placed} storage(s)"
+        peak = f"peak {format_bytes(p.eager_peak)} -> {format_bytes(p.planned_peak)}"
         if p.budget is None:
-            return (
-                f"memory plan {self.plans} ready: an arena of {format_bytes(p.arena_bytes)} for {p.placed} "
-                f"storage(s), peak {format_bytes(p.eager_peak)} -> {format_bytes(p.planned_peak)}, planned in "
-                f"{p.planning_seconds:.2f} s"
-            )
-        arena = f", an arena of {format_bytes(p.arena_bytes)} for {p.placed} storage(s)" if p.placed else ""
+            return f"memory plan {self.plans} ready: {arena}, {peak}, planned in {p.planning_seconds:.2f} s"
         return (
-            f"memory plan {self.plans} ready: peak {format_bytes(p.eager_peak)} -> "
-            f"{format_bytes(p.planned_peak)} (budget {format_bytes(p.budget)}), {p.recomputed} op(s) "
-            f"recomputed (+{1e3 * p.extra_seconds:.1f} ms){arena}, planned in {p.planning_seconds:.2f} s ({p.method})"
+            f"memory plan {self.plans} ready: {peak} (budget {format_bytes(p.budget)}), {p.recomputed} op(s) "
+            f"recomputed (+{1e3 * p.extra_seconds:.1f} ms){', ' + arena if p.placed else ''}, planned in "
+            f"{p.planning_seconds:.2f} s ({p.method})"
         )
 

@@ -6,8 +6,6 @@ its bytes with another."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,8 @@ from executor import native
 from executor.capture import Capture
 from executor.step_plans import DropPlan, Placed
 from tests.coexec.helpers import assert_same_as_eager
+from tests.coexec.test_native_budget import _state as mlp_state
+from tests.coexec.test_native_budget import _train_until_planned as train_until_planned
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="the native backend needs the native module")
 
@@ -197,38 +197,6 @@ def test_storages_of_one_op_with_the_same_bytes_are_not_placed() -> None:
     assert plan.placed == len(plan.drops.placed) > 0
 
 
-def _budget_state(seed: int = 0) -> dict:
-    torch.manual_seed(seed)
-    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)]
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(64, 10))
-    data = [(torch.randn(256, 64), torch.randint(0, 10, (256,))) for _ in range(3)]
-    return {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-3), "data": data}
-
-
-def _planned_steps(tape: coexec.GradientTape, want: int) -> list[tuple[int, int, int, int]]:
-    """Steps, eager and taped in turn, asserting equal losses and parameters, until ``want`` ran
-    with the plan in use: per planned step (storages put in the arena, recomputed ops, measured
-    and planned peak)."""
-    eager, captured = _budget_state(), _budget_state()
-    rows, i = [], 0
-    deadline = time.monotonic() + 120
-    while len(rows) < want:
-        assert time.monotonic() < deadline, "no memory plan arrived in 120 s"
-        expected = _step(eager, i)
-        with tape:
-            got = _step(captured, i)
-        assert torch.equal(expected, got), f"step {i}"
-        s = tape.stats
-        if s.planned_peak_bytes is not None:
-            rows.append((s.arena_placed, s.recomputed_ops, s.peak_bytes, s.planned_peak_bytes))
-        else:
-            time.sleep(0.02)  # (the planning process starting)
-        i += 1
-    for a, b in zip(eager["model"].parameters(), captured["model"].parameters()):
-        assert torch.equal(a, b)
-    return rows
-
-
 def test_an_arena_under_a_budget_holds_the_kept_storages_and_the_step_stays_within_the_budget() -> None:
     """The budget's plan drops activations to recompute them, and the storages it does not drop
     go in the arena, which counts whole in the budget: bit-equal, every step within the budget,
@@ -236,22 +204,23 @@ def test_an_arena_under_a_budget_holds_the_kept_storages_and_the_step_stays_with
     native.wait()
     probe = coexec.GradientTape(backend="native", memory_budget=1, key=("arena budget", "probe"))
     with pytest.raises(coexec.BudgetTooSmall) as small:
-        _planned_steps(probe, 1)
+        train_until_planned(probe, mlp_state(), mlp_state(), 1)
     unplanned = coexec.GradientTape(backend="native", arena=True, key=("arena budget", "none"))
-    _planned_steps(unplanned, 1)
+    train_until_planned(unplanned, mlp_state(), mlp_state(), 1)
     eager_peak = unplanned._program.native_budget.plan.eager_peak
     budget = (small.value.smallest + eager_peak) // 2
     assert small.value.smallest < budget < eager_peak
     tape = coexec.GradientTape(backend="native", arena=True, memory_budget=budget, key=("arena budget", "fits"))
     assert tape.backend == "native"
-    rows = _planned_steps(tape, 4)
+    planned_steps = train_until_planned(tape, mlp_state(), mlp_state(), 4)
     plan = tape._program.native_budget.plan
     assert plan.budget == budget and plan.placed > 0 and plan.arena_bytes > 0
     assert plan.recomputed > 0  # (the budget binds)
     assert plan.planned_peak <= budget - native_budget.UNSEEN_BYTES
     assert tape.stats.over_budget_steps == 0
-    for placed, remade, measured, planned in rows:
-        assert placed == plan.placed and remade > 0
+    for s in planned_steps:
+        measured, planned = s.peak_bytes, s.planned_peak_bytes
+        assert s.arena_placed == plan.placed and s.recomputed_ops > 0
         assert measured <= budget
         assert abs(measured - planned) <= 0.01 * planned, (measured, planned)
 

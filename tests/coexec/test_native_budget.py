@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import coexec
-from coexec import native_budget, native_plans
+from coexec import TapeStats, native_budget, native_plans
 from executor import native
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason="the native backend needs the native module")
@@ -37,22 +37,23 @@ def _step(state: dict, i: int) -> torch.Tensor:
     return loss.detach()
 
 
-def _train_until_planned(tape: coexec.GradientTape, eager: dict, captured: dict, after: int) -> list[int]:
+def _train_until_planned(tape: coexec.GradientTape, eager: dict, captured: dict, after: int) -> list[TapeStats]:
     """Steps in turn, eager and taped, asserting equal losses, until ``after`` steps have run
-    with the plan in use (its planning process may take seconds to start); the steps' recomputed
-    ops."""
-    recomputed, planned, i = [], 0, 0
+    with the plan in use (its planning process may take seconds to start), then equal
+    parameters and optimizer state; the statistics after each planned step."""
+    planned: list[TapeStats] = []
+    i = 0
     deadline = time.monotonic() + 120
-    while planned < after:
+    while len(planned) < after:
         assert time.monotonic() < deadline, "no memory plan arrived in 120 s"
         want = _step(eager, i)
         with tape:
             got = _step(captured, i)
         assert torch.equal(want, got), f"step {i}"
-        if tape.stats.planned_peak_bytes is not None:
-            planned += 1
-            recomputed.append(tape.stats.recomputed_ops)
-            assert (tape.stats.recompute_seconds > 0) == (tape.stats.recomputed_ops > 0)
+        s = tape.stats
+        if s.planned_peak_bytes is not None:
+            planned.append(s)
+            assert (s.recompute_seconds > 0) == (s.recomputed_ops > 0)
         else:
             time.sleep(0.02)  # (the planning process starting)
         i += 1
@@ -61,7 +62,7 @@ def _train_until_planned(tape: coexec.GradientTape, eager: dict, captured: dict,
     for se, sc in zip(eager["opt"].state.values(), captured["opt"].state.values()):
         for k in se:
             assert torch.equal(se[k], sc[k]), k
-    return recomputed
+    return planned
 
 
 def test_steps_under_a_budget_recompute_and_stay_within_it() -> None:
@@ -72,9 +73,9 @@ def test_steps_under_a_budget_recompute_and_stay_within_it() -> None:
     # between the smallest budget a plan meets and what the step holds unplanned
     budget = smallest + 64 * 256 * 4
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("native budget", "fits"))
-    recomputed = _train_until_planned(tape, _state(), _state(), 4)
+    planned = _train_until_planned(tape, _state(), _state(), 4)
     s = tape.stats
-    assert all(r > 0 for r in recomputed)
+    assert all(p.recomputed_ops > 0 for p in planned)
     assert s.planned_peak_bytes <= budget and s.peak_bytes <= budget and s.over_budget_steps == 0
     (row,) = tape.report()
     assert row["planned peak"] == s.planned_peak_bytes < row["eager peak"]
@@ -291,8 +292,8 @@ def test_a_plan_made_at_one_size_is_followed_at_others() -> None:
     eager, captured = _state(), _state()
     for state in (eager, captured):  # (batches of 256 and 224 rows in turn)
         state["data"] = [(x[: 256 - 32 * (k % 2)], y[: 256 - 32 * (k % 2)]) for k, (x, y) in enumerate(state["data"])]
-    recomputed = _train_until_planned(tape, eager, captured, 6)
-    assert all(r > 0 for r in recomputed)
+    planned = _train_until_planned(tape, eager, captured, 6)
+    assert all(p.recomputed_ops > 0 for p in planned)
 
 
 class _FakeCapture:
