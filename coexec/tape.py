@@ -500,6 +500,10 @@ class GradientTape:
         frame = sys._getframe(1)
         named = self.key is not None
         key = ("key", self.key) if named else (id(frame.f_code), frame.f_lasti)
+        if self.backend == "native" and (self.memory_budget is not None or self.arena) and not native.settled():
+            # (a budget is held, and an arena placed, by the capture's worker: a step run
+            # eagerly meanwhile would hold what eager holds, unmeasured)
+            native.wait()
         if self._build_pending and native.settled():
             self._build_pending = False
             if native.unavailable():

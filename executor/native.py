@@ -72,12 +72,11 @@ def unavailable() -> bool:
 
 
 def ready() -> ModuleType | None:
-    """The built module if it is ready now; else None, after starting its build in the
-    background (once per process)."""
-    if _module is not None or _done.is_set():
-        return _module
-    _start()
-    return None
+    """The built module if it is ready now (loaded here if it was built before); else None,
+    after starting its build in the background (once per process)."""
+    if _module is None and not _done.is_set():
+        _start()
+    return _module
 
 
 def wait(timeout: float | None = None) -> ModuleType | None:
@@ -96,6 +95,9 @@ def _start() -> None:
         _started = True
     if not enabled():
         _done.set()
+        return
+    if _built_path().exists():  # (loading takes about 0.1 s: the first step is captured too)
+        _build()
         return
     threading.Thread(target=_build, name="coexec-native-build", daemon=True).start()
 
@@ -129,18 +131,23 @@ def _load(path: Path) -> ModuleType:
     return module
 
 
+def _built_path() -> Path:
+    """Where the built module is (or will be) in torch's extension cache."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(_NAME, False)) / f"{_NAME}.so"
+
+
 def _compile() -> Path:
     """The built module in torch's extension cache, built there first, in a child process,
     where it is not built yet. (Built in this process's background thread, a build cut short
     by the program's exit left torch's ``lock`` file behind, and every later build waited on
     it for good; a child finishes the build.) A lock older than any build is such a leftover
     (a killed build) and goes first."""
-    from torch.utils import cpp_extension
-
-    where = Path(cpp_extension._get_build_directory(_NAME, False))
-    built = where / f"{_NAME}.so"
+    built = _built_path()
     if built.exists():
         return built
+    where = built.parent
     lock = where / "lock"
     try:
         if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
@@ -151,7 +158,8 @@ def _compile() -> Path:
 
     print(
         f"coexec: building the native module in {where} (once per source change and torch "
-        "version; about a minute on 2 cores; steps run eagerly until it is ready)",
+        "version; about a minute on 2 cores; steps run eagerly until it is ready, those under a "
+        "memory_budget or with arena=True wait for it)",
         file=sys.stderr,
         flush=True,
     )

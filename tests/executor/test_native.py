@@ -262,6 +262,26 @@ def test_without_a_compiler_the_python_executor_runs_after_one_warning(tmp_path)
     assert done.stdout.startswith("1 coexec: the native engine could not be built")
 
 
+def test_a_built_module_is_ready_at_the_first_ask_and_the_first_step_is_captured(built):
+    """Loading a module built before takes about 0.1 s: it loads in the first call, so a
+    program's first step is captured rather than run eagerly beside a background load."""
+    program = textwrap.dedent(
+        """
+        import torch
+        import coexec
+        from executor import native
+        assert native.ready() is not None
+        tape = coexec.GradientTape(backend="native", key="first")
+        with tape:
+            y = (torch.ones(3) * 2).sum()
+        print(tape.stats.last_phase, y.item())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["coexec", "6.0"]
+
+
 def test_a_step_with_a_memory_budget_runs_on_the_python_executor(built):
     budget, plain = make_executor(budget=True), make_executor()
     try:
