@@ -447,10 +447,10 @@ class GradientTape:
         from .budget import parse_budget
 
         budget = None if memory_budget is None else parse_budget(memory_budget)
-        if backend == "native" and (refusal := _native_refusal(sync, arena, offload, budget)) is not None:
+        if backend == "native" and (refusal := _native_refusal(sync)) is not None:
             raise ValueError(refusal)
         if backend == "auto":
-            backend = _auto_backend(sync, arena, offload, budget)
+            backend = _auto_backend(sync)
             # (chosen while the native module may still be building: each step checks, until
             # the build has ended, that it did not fail)
             self._build_pending = backend == "native"
@@ -810,23 +810,18 @@ def _report_row(
     }
 
 
-def _auto_backend(sync: str, arena: bool | None, offload: bool | None, budget: int | None) -> str:
+def _auto_backend(sync: str) -> str:
     """What ``backend="auto"`` runs: the native backend where it can serve the tape (no GPU or
     other accelerator on the machine: it captures CPU steps only; no option only the
     interpret backend has; its module not known to be unbuildable), else the interpret backend."""
-    if _native_refusal(sync, arena, offload, budget) is not None:
+    if _native_refusal(sync) is not None:
         return "interpret"
     return "interpret" if native.unavailable() or torch.accelerator.is_available() else "native"
 
 
-def _native_refusal(sync: str, arena: bool | None, offload: bool | None, budget: int | None) -> str | None:
+def _native_refusal(sync: str) -> str | None:
     """Why the native backend cannot honour these options (they would be ignored there), or
     None: ``backend="native"`` raises it, ``"auto"`` picks the interpret backend."""
-    if arena and offload and budget is not None:
-        return (
-            "arena=True with a memory_budget and offload=True: the native backend plans an arena under a "
-            "budget met by recomputation, not yet with offloading; backend='interpret' plans the three jointly"
-        )
     if sync != "step":
         return "sync='none': a native-backend step always ends with its values computed"
     return None

@@ -99,6 +99,8 @@ class Arena {
     }
   }
 
+  int64_t region_bytes(uint32_t r) const { return regions_[r].nbytes; }
+
   // After it ran: does region `r` hold the storage at `data` (one of the op's outputs)?
   bool holds(uint32_t r, const void* data) const { return base_ + regions_[r].offset == data; }
 
@@ -232,6 +234,13 @@ struct ArenaOffer {
     for (size_t i = 0; i < count; ++i)
       if (void* p = arena->take(regions[i], n)) return p;
     return nullptr;
+  }
+
+  // The bytes of its regions (the op's storages the plan puts in the arena).
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (size_t i = 0; i < count; ++i) n += arena->region_bytes(regions[i]);
+    return n;
   }
 };
 

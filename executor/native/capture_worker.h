@@ -1024,9 +1024,13 @@ class Worker final : public RoomMaker {
   }
 
   // Before op `e`: drop values until what it needs (its new storages, its workspace as measured
-  // before, its dropped inputs made again) fits under the cap.
-  void make_room(const TapeEntry& e) {
+  // before, its dropped inputs made again) fits under the cap. `in_arena`: the bytes of its new
+  // storages the plan's arena offers regions for (held whole beside the cap, not counted again:
+  // counted, the guard dropped a value a plan with most storages in its arena parked a few ops
+  // later, made it again outside the arena, and the step held 8% over its plan and its budget).
+  void make_room_for_op(const TapeEntry& e, const ArenaOffer* in_arena) {
     int64_t need = e.made_bytes;
+    if (in_arena != nullptr) need = std::max<int64_t>(0, need - in_arena->bytes());
     for (const auto& s : e.slots)
       if (s && !s->real.defined() && s->recipe) need += remaking(*s, kLongestChain).bytes;
     make_room(e, need);
@@ -1328,10 +1332,11 @@ class Worker final : public RoomMaker {
         const auto t0 = std::chrono::steady_clock::now();
         try {
           if (drops_ || cap_ > 0) guard_writes(e);
-          if (cap_ > 0) make_room(e);
-          // (after what may make dropped values again first: each remake's run_op would take it)
           ArenaOffer offer;
-          if (drops_ && following_ && drops_->offer(e.index, e.op, offer)) {
+          const bool offered = drops_ && following_ && drops_->offer(e.index, e.op, offer);
+          if (cap_ > 0) make_room_for_op(e, offered ? &offer : nullptr);
+          // (offered after what may make dropped values again first: each remake's run_op would take it)
+          if (offered) {
             offer.arena->begin(offer.regions, offer.count);
             t_next_offer = &offer;
           }
