@@ -58,8 +58,8 @@ UNPLANNABLE = 8  # steps in a row not described (ops ran at once) or off the pla
 
 
 class _PlanChild:
-    """``python -m coexec.native_plan_child``: plans made in a child process (started at the first
-    plan, a second or two to import torch), one at a time; it ends when this process closes the
+    """``python -m coexec.native_plan_child``: plans made in a child process (started with a
+    program's first memory plan, :meth:`start`, a second or two to import torch), one at a time; it ends when this process closes the
     pipe. Not multiprocessing's spawn: that runs the user's script again in the child where it
     has no ``if __name__ == "__main__"`` guard."""
 
@@ -67,14 +67,28 @@ class _PlanChild:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
+    def start(self) -> None:
+        """Start the child now, if it is not running: a program's first plan is asked for two
+        steps later, and the child's start (importing torch) is then behind it. (Started with
+        the first plan, it held that plan back by a second or two, steps run under the guard
+        alone, which holds less well than a plan.) A child that cannot start is the first plan's to report."""
+        with self._lock:
+            try:
+                self._start()
+            except OSError:
+                pass
+
+    def _start(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            env = {**os.environ, "PYTHONPATH": _child_path()}
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "coexec.native_plan_child"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            )  # fmt: skip
+
     def plan(self, d: StepDescription, budget: int | None, bandwidth: Bandwidth | None, arena: bool) -> NativeBudgetPlan:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                env = {**os.environ, "PYTHONPATH": _child_path()}
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "coexec.native_plan_child"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                )  # fmt: skip
+            self._start()
             _write(self._proc.stdin, pickle.dumps((d, budget, bandwidth, arena), protocol=pickle.HIGHEST_PROTOCOL))
             ok, value = pickle.loads(_read(self._proc.stdout))
         if not ok:
@@ -113,10 +127,12 @@ def _python_tensor_bytes() -> int:
             continue
         try:
             storage = o.untyped_storage()
+            if storage.device.type != "cpu":  # (a fake tensor's: meta, no memory)
+                continue
             where = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # (no memory: a fake tensor, a placeholder)
+        except (RuntimeError, NotImplementedError):  # (no memory: a placeholder, a functional tensor)
             continue
-        if where != 0 and where not in seen:  # (0: none either, a fake tensor's meta storage)
+        if where != 0 and where not in seen:
             seen.add(where)
             total += storage.nbytes()
     return total
@@ -175,6 +191,7 @@ class NativeBudget:
     def __init__(self, budget: int | None, where: str, offload: bool = False, arena: bool = False) -> None:
         if budget is None and not arena:
             raise ValueError("a native memory plan needs a memory budget or arena=True")
+        _child.start()
         self.budget = budget
         self.arena = arena
         self.offload = offload  # plans may park values in the host pool (bandwidth measured at the first plan)

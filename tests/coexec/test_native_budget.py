@@ -117,6 +117,16 @@ def test_the_state_python_holds_counts_each_storage_once_and_skips_tensors_witho
     del big, views, fake
 
 
+def test_a_program_under_a_budget_starts_the_planning_process_before_its_first_plan() -> None:
+    """The child that makes plans imports torch for a second or two: it starts with the
+    program's budget, so the first plan, asked for two steps later, does not wait for that."""
+    native_plans._child.close()
+    assert native_plans._child._proc is None
+    native_plans.NativeBudget(10**9, "here")
+    proc = native_plans._child._proc
+    assert proc is not None and proc.poll() is None
+
+
 def test_a_first_budgeted_step_after_eager_ones_holds_the_budget() -> None:
     """A program's first step under a budget, in a fresh process, after eager steps: the model
     and the optimizer state were made before coexec loaded its allocator, which does not count
