@@ -15,19 +15,20 @@ steps after it follow no plan until the larger step's arrives (a plan made at sm
 followed beside the guard at larger ones, left the guard values it could not drop: steps 7-9%
 over the budget); a plan made for a smaller step than the one in use (by their unplanned peaks)
 is left unused, so the plan in use is that of the largest step described. From the first step
-on, the capture's guard (``Capture.guard``, ``native/capture_worker.h``) holds every step
-within the budget (less the state the plan counts, or the last described step found and left:
-the allocator counts the bytes the step makes; steps without a plan are described for their
-state, and the first step, whose state nothing tells, counts everything alive as it begins: the allocator's count, or the storages of
-Python's tensors where more) where the plan does not: before the plan arrives, and on a step
-larger than the one planned, by dropping values on the worker where an op would go over and
-making them again where read (a larger step's plan that cannot meet the budget leaves the steps
-to the guard alone from then on, with a warning). A budget no plan can meet raises
-:class:`planner.BudgetTooSmall` at the next step's ``with``, before that step runs. A step that
-ran ops at once because they were new at their line and could not be answered without running
-them (a shape that follows data) is not described: where sizes change at every step none is,
-and after 8 such steps without a plan a ``RuntimeWarning`` says so; another says when 8 steps
-in a row did not follow the plan (their ops differ from the planned step's).
+on, the capture's guard (``Capture.guard``, ``native/capture_worker.h``) holds every step within
+the budget (less the state the plan counts, or the last described step found and left: the
+allocator counts the bytes the step makes; steps without a plan are described for their state,
+and the first step, whose state nothing tells, counts everything alive as it begins: the
+allocator's count, or the storages of Python's tensors where more) where the plan does not:
+before the plan arrives, and on a step larger than the one planned, by dropping values on the
+worker where an op would go over and making them again where read (a larger step's plan that
+cannot meet the budget leaves the steps to the guard alone from then on, with a warning). A
+budget no plan can meet raises :class:`planner.BudgetTooSmall` at the next step's ``with``,
+before that step runs. A step that ran ops at once because they were new at their line and could
+not be answered without running them (a shape that follows data) is not described: where sizes
+change at every step none is, and after 8 such steps without a plan a ``RuntimeWarning`` says
+so; another says when 8 steps in a row did not follow the plan (their ops differ from the
+planned step's).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
+
 from executor.step_plans import StepDescription
 from planner import Bandwidth, BudgetTooSmall, format_bytes
 
@@ -58,10 +60,11 @@ UNPLANNABLE = 8  # steps in a row not described (ops ran at once) or off the pla
 
 
 class _PlanChild:
-    """``python -m coexec.native_plan_child``: plans made in a child process (started with a
-    program's first memory plan, :meth:`start`, a second or two to import torch), one at a time; it ends when this process closes the
-    pipe. Not multiprocessing's spawn: that runs the user's script again in the child where it
-    has no ``if __name__ == "__main__"`` guard."""
+    """``python -m coexec.native_plan_child``: plans made in a child process (started when a
+    program first has a budget or an arena, :meth:`start`; it takes a second or two to import
+    torch), one at a time; it ends when this process closes the pipe. Not multiprocessing's
+    spawn: that runs the user's script again in the child where it has no ``if __name__ ==
+    "__main__"`` guard."""
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
@@ -71,7 +74,8 @@ class _PlanChild:
         """Start the child now, if it is not running: a program's first plan is asked for two
         steps later, and the child's start (importing torch) is then behind it. (Started with
         the first plan, it held that plan back by a second or two, steps run under the guard
-        alone, which holds less well than a plan.) A child that cannot start is the first plan's to report."""
+        alone, which holds less well than a plan.) A child that cannot start is the first
+        plan's to report."""
         with self._lock:
             try:
                 self._start()
@@ -119,7 +123,8 @@ def _python_tensor_bytes() -> int:
     """The bytes of the CPU storages Python's tensors hold now (each storage once): the state a
     program's first budgeted step may find. (The capture's allocator counts only what it
     handed out, and a model and its optimizer state are made before it is installed: with
-    that count alone, a first step after an eager one went 11% over its budget.)"""
+    that count alone, a first step after an eager one went 11% over its budget.) Once per
+    program: a walk of every object the garbage collector tracks."""
     seen: set[int] = set()
     total = 0
     for o in gc.get_objects():
