@@ -124,7 +124,9 @@ def _python_tensor_bytes() -> int:
     program's first budgeted step may find. (The capture's allocator counts only what it
     handed out, and a model and its optimizer state are made before it is installed: with
     that count alone, a first step after an eager one went 11% over its budget.) Once per
-    program: a walk of every object the garbage collector tracks."""
+    program: a walk of every object the garbage collector tracks. Tensors without a Python
+    object are not seen: gradients the autograd engine made that Python never read (an eager
+    step's, where ``zero_grad()`` did not let go of them), saved tensors of a graph kept alive."""
     seen: set[int] = set()
     total = 0
     for o in gc.get_objects():
