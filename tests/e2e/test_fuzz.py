@@ -26,18 +26,6 @@ def test_generated_program_is_bit_equal_to_eager(seed):
     assert not r.failed, r
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a wrong result of the interpret backend across a fallback in the backward "
-    "(the batch norm's bias off by 3.6e-12 at step 3; docs/coexec.md, the fuzzer); fixed, this passes",
-)
-def test_a_batch_that_alternates_in_size_through_views_and_batch_norm_is_bit_equal():
-    """Seed 5285 of the default backend's 1000-program run, shrunk (its ``sync_none`` only sent
-    it to the interpret backend): diverges at step 3 on every run."""
-    r = run_program(5285, 5, features={"batch_sizes", "batchnorm", "sgd", "views"})
-    assert not r.failed, r
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(100, 200))
 def test_generated_program_is_bit_equal_to_eager_longer(seed):
