@@ -107,7 +107,9 @@ class TapeStats:
     # of the latest co-executed step: its deferred ops run ahead of their block's launch or
     # at it, and where running ahead had to wait (docs/coexec.md, *Blocks*)
     run_ahead: RunAhead = RunAhead()
-    planned_path: int | None = None  # which planned path it took (tape.report()'s row), if one
+    # which planned path it took (tape.report()'s row; native backend: the plan it followed to
+    # its end, numbered as paths were first planned), if one
+    planned_path: int | None = None
     # the step whose trace that path's plan was made from: the sizes it covers (a step of the
     # path that allocates more, where sizes vary, is planned again: _check_plan)
     planned_for_step: int | None = None
@@ -126,8 +128,8 @@ class TapeStats:
     guarded_steps: int = 0
     guard_drops: int = 0
     # plans are made in the background (coexec/planning.py): the observed paths the plan in
-    # use has seen, and the time steps spent asking for plans, taking them, or waiting for one
-    # (only under a memory budget)
+    # use has seen (native backend: the paths with a plan), and the time steps spent asking for
+    # plans, taking them, or waiting for one (only under a memory budget)
     planned_paths: int = 0
     plan_wait_seconds: float = 0.0
     # CPU seconds this process spent on the plans made, garbage collections left out: pickling
@@ -389,12 +391,13 @@ class GradientTape:
 
     Options: ``max_traces`` (new traces after which the program stays eager), ``sync``
     (``"step"``: wait for the step's work when the block exits, the default; ``"none"``: let it
-    run on, call :func:`coexec.synchronize` before reading model state outside a step),
+    run on, call :func:`coexec.synchronize` before reading model state outside a step; a native
+    step ends with its values computed either way),
     ``backend`` (``"auto"``, the default: ``"native"`` on a machine without a GPU where the
     native module builds and no option below needs ``"interpret"``, else ``"interpret"``;
     ``tape.backend`` says which runs; ``"native"``: every step's ATen ops answered by a C++
     kernel and computed by a C++ worker, ``executor/capture.py``: CPU steps only, a
-    TraceGraph from its traced steps, no ``sync="none"``; a ``memory_budget`` is met by
+    TraceGraph from its traced steps; a ``memory_budget`` is met by
     recomputation, and with ``offload=True`` by parking storages in a host pool; ``arena=True``
     puts a described step's storages in one arena, ops as issued (under a budget, those the
     budget's plan does not drop, the arena counted whole in it; with offloading too, the
@@ -447,10 +450,8 @@ class GradientTape:
         from .budget import parse_budget
 
         budget = None if memory_budget is None else parse_budget(memory_budget)
-        if backend == "native" and (refusal := _native_refusal(sync)) is not None:
-            raise ValueError(refusal)
         if backend == "auto":
-            backend = _auto_backend(sync)
+            backend = _auto_backend()
             # (chosen while the native module may still be building: each step checks, until
             # the build has ended, that it did not fail)
             self._build_pending = backend == "native"
@@ -810,21 +811,11 @@ def _report_row(
     }
 
 
-def _auto_backend(sync: str) -> str:
+def _auto_backend() -> str:
     """What ``backend="auto"`` runs: the native backend where it can serve the tape (no GPU or
-    other accelerator on the machine: it captures CPU steps only; no option only the
-    interpret backend has; its module not known to be unbuildable), else the interpret backend."""
-    if _native_refusal(sync) is not None:
-        return "interpret"
+    other accelerator on the machine: it captures CPU steps only; its module not known to be
+    unbuildable), else the interpret backend."""
     return "interpret" if native.unavailable() or torch.accelerator.is_available() else "native"
-
-
-def _native_refusal(sync: str) -> str | None:
-    """Why the native backend cannot honour these options (they would be ignored there), or
-    None: ``backend="native"`` raises it, ``"auto"`` picks the interpret backend."""
-    if sync != "step":
-        return "sync='none': a native-backend step always ends with its values computed"
-    return None
 
 
 class _NativeStep:

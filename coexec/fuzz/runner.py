@@ -122,9 +122,8 @@ def run_once(
     backend: str = "interpret",
 ) -> RunResult:
     """Train ``spec`` for ``steps`` steps from ``torch.manual_seed(spec.seed)`` (under coexec
-    with ``backend``; the native backend has no traces, arena or ``sync="none"``, so the
-    program's options for those are not used there; ``"auto"`` is given them, and picks the
-    interpret backend where one needs it, as ``GradientTape()`` would)."""
+    with ``backend``; ``"native"`` is given none of the program's tape options, ``"auto"``
+    and ``"interpret"`` all of them, as ``GradientTape()`` would be)."""
     torch.manual_seed(spec.seed)
     state = build(spec)
     tape = None
