@@ -16,11 +16,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from executor.step_plans import DropPlan, Park, Placed, StepDescription
-from planner import Access, Bandwidth, BudgetTooSmall, PlanningGraph, RematPlan, StorageFacts, plan_remat, replay
+from planner import (
+    Access,
+    Bandwidth,
+    BudgetTooSmall,
+    PlanningGraph,
+    RematPlan,
+    StorageFacts,
+    plan_remat,
+    replay,
+)
 from planner.arena import plan_arena, select_placed
 from planner.graph import LOCAL
+from planner.remat import RematPath, plan_remat_paths
 from planner.remat.paths import split_peaks
 
 
@@ -146,7 +157,22 @@ def plan_native_budget(
         raise BudgetTooSmall(budget, e.smallest + UNSEEN_BYTES, e.detail) from None
     placed, arena_bytes, planned_peak = (), 0, plan.peak
     if arena:
-        plan, (placed, arena_bytes, planned_peak) = _with_arena(d, g, plan, limit, time_limit, random, bandwidth)
+        plan, found = _with_arena(d, g, plan, limit, time_limit, random, bandwidth)
+        placed, arena_bytes, planned_peak = found.placed, found.arena_bytes, found.planned_peak
+    return _native_plan(d, g, plan, budget, planned_peak, time.perf_counter() - t0, arena_bytes, placed)
+
+
+def _native_plan(
+    d: StepDescription,
+    g: PlanningGraph,
+    plan: RematPlan,
+    budget: int,
+    planned_peak: int,
+    planning_seconds: float,
+    arena_bytes: int = 0,
+    placed: tuple[Placed, ...] = (),
+) -> NativeBudgetPlan:
+    """``plan`` for the described step as the worker follows it (its values, by number)."""
     values_of: dict[int, list[int]] = {}
     value_bytes: dict[int, int] = {}  # (the plan's sizes: a step that makes a larger value stops following it)
     for o in d.ops:
@@ -160,7 +186,7 @@ def plan_native_budget(
         keep.update(values)
         after.setdefault(place, []).extend(values)
     drops = DropPlan(
-        tuple(0 if o.at_once else o.op_id for o in d.ops),
+        path_ops(d),
         frozenset(keep),
         {place: tuple(vs) for place, vs in after.items()},
         tuple(value_bytes.get(v, 0) for v in range(1 + max(value_bytes, default=-1))),
@@ -171,9 +197,84 @@ def plan_native_budget(
     base = replay(g, plan.order, check_order=False)
     return NativeBudgetPlan(
         drops, budget, base.peak, planned_peak, g.persistent_bytes, len(plan.dropped),
-        plan.extra_seconds, plan.predicted_seconds, plan.method, time.perf_counter() - t0, len(drops.parks),
+        plan.extra_seconds, plan.predicted_seconds, plan.method, planning_seconds, len(drops.parks),
         arena_bytes, len(placed),
     )  # fmt: skip
+
+
+def path_ops(d: StepDescription) -> tuple[int, ...]:
+    """The described step's path as a plan names it: per place the op id the worker expects
+    there (0: an op that ran at once on the step's thread)."""
+    return tuple(0 if o.at_once else o.op_id for o in d.ops)
+
+
+def path_keys(ds: list[StepDescription]) -> list[list[int]]:
+    """Per described step (a path), per op, a key that names the same op on every path: ops
+    with the same ops before them, each making storages of the same bytes, share it (the paths'
+    common prefix, up to where a branch sends them apart). A plan's decision on a key holds on
+    every path that has it (:func:`planner.plan_remat_paths`), so a step that leaves one path's
+    plan for another's at a branch has done what the other planned before it."""
+    interned: dict[tuple, int] = {}
+    out = []
+    for d in ds:
+        keys, at = [], -1
+        for o in d.ops:
+            made = tuple(d.storage_bytes[sid] for sid in o.makes)
+            at = interned.setdefault((at, 0 if o.at_once else o.op_id, made), len(interned))
+            keys.append(at)
+        out.append(keys)
+    return out
+
+
+def plan_native_paths(
+    ds: list[StepDescription], budget: int, time_limit: float = 10.0, bandwidth: Bandwidth | None = None
+) -> list[NativeBudgetPlan | BudgetTooSmall]:
+    """Plans for the described steps of a program's paths (one per path, by their ops), made
+    together so that they agree where the paths share ops (:func:`path_keys`): per path its plan,
+    or the :class:`planner.BudgetTooSmall` of a path no plan can hold alone (the others are then
+    planned together without it; where even they cannot be, each alone, agreeing with none)."""
+    t0 = time.perf_counter()
+    graphs = [planning_graph(d) for d in ds]
+    try:
+        plans = _plan_together(ds, graphs, budget, time_limit, bandwidth)
+    except BudgetTooSmall:
+        alone: list[NativeBudgetPlan | BudgetTooSmall] = []
+        for d in ds:
+            try:
+                alone.append(plan_native_budget(d, budget, time_limit / len(ds), bandwidth))
+            except BudgetTooSmall as e:
+                alone.append(e)
+        held = [j for j, r in enumerate(alone) if not isinstance(r, BudgetTooSmall)]
+        if len(held) < 2 or len(held) == len(ds):
+            return alone
+        try:
+            together = _plan_together([ds[j] for j in held], [graphs[j] for j in held], budget, time_limit, bandwidth)
+        except BudgetTooSmall:
+            return alone
+        spent = time.perf_counter() - t0
+        for j, p in zip(held, together):
+            alone[j] = _native_plan(ds[j], graphs[j], p, budget, p.peak, spent)
+        return alone
+    spent = time.perf_counter() - t0
+    return [_native_plan(d, g, p, budget, p.peak, spent) for d, g, p in zip(ds, graphs, plans)]
+
+
+def _plan_together(
+    ds: list[StepDescription], graphs: list[PlanningGraph], budget: int, time_limit: float, bandwidth: Bandwidth | None
+) -> list:
+    """:func:`planner.plan_remat_paths` over the described paths, keyed by :func:`path_keys`."""
+    keys = path_keys(ds)
+    banned = {k[j] for d, k in zip(ds, keys) for j, o in enumerate(d.ops) if o.random}
+    paths = [RematPath(g, list(range(len(g))), k) for g, k in zip(graphs, keys)]
+    return plan_remat_paths(paths, budget - UNSEEN_BYTES, time_limit, banned, bandwidth)
+
+
+class ArenaPlacements(NamedTuple):
+    """Where a described step's storages go in one arena (:func:`arena_placements`)."""
+
+    placed: tuple[Placed, ...]  # the storages given a region, by the op that allocates them
+    arena_bytes: int
+    planned_peak: int  # the step's peak with the arena held whole
 
 
 # Plans made again at a lower budget when the arena, held whole, takes a budget's plan over it
@@ -189,7 +290,7 @@ def _with_arena(
     time_limit: float,
     banned: set[int],
     bandwidth: Bandwidth | None,
-) -> tuple[RematPlan, tuple[tuple[Placed, ...], int, int]]:
+) -> tuple[RematPlan, ArenaPlacements]:
     """``plan`` (or one made to a lower budget) with its arena, whose planned peak is within
     ``limit``: the arena is held whole beside the storages outside it, so placing may add to
     the plan's peak (two peaks at different places); where no plan's does fit, the first plan
@@ -198,14 +299,14 @@ def _with_arena(
     candidate = plan
     for _ in range(ARENA_ROUNDS):
         found = arena_placements(d, g, candidate, limit=limit)
-        if found[2] <= limit:
+        if found.planned_peak <= limit:
             return candidate, found
-        target -= 2 * (found[2] - limit)
+        target -= 2 * (found.planned_peak - limit)
         try:
             candidate = plan_remat(g, target, time_limit=time_limit, banned=banned, bandwidth=bandwidth)
         except BudgetTooSmall:
             break
-    return plan, ((), 0, plan.peak)
+    return plan, ArenaPlacements((), 0, plan.peak)
 
 
 def arena_placements(
@@ -214,7 +315,7 @@ def arena_placements(
     plan: RematPlan | None = None,
     optimize_seconds: float = 0.0,
     limit: int | None = None,
-) -> tuple[tuple[Placed, ...], int, int]:
+) -> ArenaPlacements:
     """The described step's storages placed in one arena over their lifetimes in issue order
     (under ``plan``, a budget's: as it frees them): the placements, the arena's bytes, and the
     step's planned peak with the arena held whole (persistent state, the arena, and at their
@@ -247,14 +348,14 @@ def arena_placements(
     chosen = select_placed([(g, keys, segments)], ceiling=limit)
     _inside, outside = split_peaks(g, order, segments, frozenset(chosen))
     if not chosen:
-        return (), 0, persistent + outside
+        return ArenaPlacements((), 0, persistent + outside)
     # (under a plan, each storage's stretch as the plan frees it; else from its op to its last use)
     stretches = None if plan is None else [{sid: segments[sid] for sid in chosen}]
     arena = plan_arena([(g, {sid: sid for sid in chosen})], optimize_seconds=optimize_seconds, stretches=stretches)
     placed = tuple(sorted(
         Placed(maker[sid], g.storages[sid].nbytes, arena.offsets[sid], passed_over.get(sid, 0)) for sid in chosen
     ))  # fmt: skip
-    return placed, arena.arena_bytes, persistent + arena.arena_bytes + outside
+    return ArenaPlacements(placed, arena.arena_bytes, persistent + arena.arena_bytes + outside)
 
 
 def plan_native_arena(d: StepDescription, optimize_seconds: float = 5.0) -> NativeBudgetPlan:
@@ -264,9 +365,10 @@ def plan_native_arena(d: StepDescription, optimize_seconds: float = 5.0) -> Nati
     t0 = time.perf_counter()
     g = planning_graph(d)
     base = replay(g, list(range(len(g))))
-    placed, arena_bytes, planned_peak = arena_placements(d, g, optimize_seconds=optimize_seconds)
+    found = arena_placements(d, g, optimize_seconds=optimize_seconds)
+    placed, arena_bytes, planned_peak = found.placed, found.arena_bytes, found.planned_peak
     drops = DropPlan(
-        tuple(0 if o.at_once else o.op_id for o in d.ops), frozenset(), {}, arena_bytes=arena_bytes, placed=placed
+        path_ops(d), frozenset(), {}, arena_bytes=arena_bytes, placed=placed
     )
     seconds = sum(o.seconds for o in d.ops)
     return NativeBudgetPlan(

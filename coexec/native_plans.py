@@ -7,7 +7,13 @@ takes the planner's Python, which would share the GIL with the steps here; with 
 it may park storages in the host pool too, at the copy bandwidth measured once per process); the steps after the
 plan arrives follow it (``Capture.follow``). A step that leaves the plan's path (another op
 where the plan expects one) is counted; after two such steps in a row, one is described again
-and planned anew, at most every 16 steps. Where sizes change (a length drawn per step) a plan
+and planned anew, at most every 16 steps. Under a budget without an arena a program keeps a plan
+per path (up to PATHS): once a path has a plan, a step that leaves it has a later one described
+(every NEW_PATH_EVERY steps at most while paths are found), and the described steps of every
+path are planned together (``plan_native_paths``: they agree where the paths share ops); the
+capture follows the plan in use with the others beside it, and a step takes over the plan of
+the branch it went down where its ops part from the plan's. A path no plan can hold warns once,
+and its steps have the guard alone. Where sizes change (a length drawn per step) a plan
 made at one size is followed at the others (its path is its ops): a step that makes a value
 larger than the planned step's (the capture stops following the plan there) or follows it and
 holds more than 5% above its planned peak has outgrown it, and the next step is described; the
@@ -49,7 +55,7 @@ import torch
 from executor.step_plans import StepDescription
 from planner import Bandwidth, BudgetTooSmall, format_bytes
 
-from .native_budget import NativeBudgetPlan, plan_native
+from .native_budget import NativeBudgetPlan, path_ops, plan_native, plan_native_paths
 from .plan_process import _child_path, _read, _write
 
 WARM_UP = 2  # unplanned steps before one is described (the capture meets the ops, then the backward)
@@ -57,6 +63,8 @@ UNFOLLOWED = 2  # steps off the plan's path in a row before the path is planned 
 REPLAN_EVERY = 16  # steps at least between two descriptions
 OUTGROWN = 1.05  # a followed step that held this much more than its plan: sizes grew, describe again
 UNPLANNABLE = 8  # steps in a row not described (ops ran at once) or off the plan, before a warning
+PATHS = 8  # plans of a program's paths kept at once (budgets without an arena; the oldest goes)
+NEW_PATH_EVERY = 4  # steps at least between two descriptions while fewer paths than PATHS are planned
 
 
 class _PlanChild:
@@ -90,7 +98,10 @@ class _PlanChild:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
             )  # fmt: skip
 
-    def plan(self, d: StepDescription, budget: int | None, bandwidth: Bandwidth | None, arena: bool) -> NativeBudgetPlan:
+    def plan(
+        self, d: StepDescription | list[StepDescription], budget: int | None, bandwidth: Bandwidth | None, arena: bool
+    ) -> NativeBudgetPlan | list[NativeBudgetPlan | BudgetTooSmall]:
+        """The plan of ``d`` (a list: its paths' plans, :func:`plan_native_paths`)."""
         with self._lock:
             self._start()
             _write(self._proc.stdin, pickle.dumps((d, budget, bandwidth, arena), protocol=pickle.HIGHEST_PROTOCOL))
@@ -157,8 +168,11 @@ def wait_for_native_plans(timeout: float | None = None) -> bool:
     return not not_done
 
 
-def _submit(d: StepDescription, budget: int | None, bandwidth: Bandwidth | None, arena: bool) -> Future:
-    """The plan, made in the child process (here, in a thread, if the child cannot run)."""
+def _submit(
+    d: StepDescription | list[StepDescription], budget: int | None, bandwidth: Bandwidth | None, arena: bool
+) -> Future:
+    """The plan (of a list of paths' described steps: theirs, :func:`plan_native_paths`), made
+    in the child process (here, in a thread, if the child cannot run)."""
     f: Future = Future()
     with _pending_lock:
         _pending.add(f)
@@ -174,7 +188,10 @@ def _submit(d: StepDescription, budget: int | None, bandwidth: Bandwidth | None,
             try:
                 result = _child.plan(d, budget, bandwidth, arena)
             except (OSError, EOFError, pickle.PickleError):
-                result = plan_native(d, budget, bandwidth, arena)
+                result = (
+                    plan_native_paths(d, budget, bandwidth=bandwidth) if isinstance(d, list)
+                    else plan_native(d, budget, bandwidth, arena)
+                )  # fmt: skip
             f.set_result(result)
         except BaseException as e:  # noqa: BLE001 (handed to the step that takes the plan)
             f.set_exception(e)
@@ -206,7 +223,20 @@ class NativeBudget:
         self.unplannable = 0  # steps in a row that ran at once ops to be described, or off the plan
         self.warned = False  # (the warning on unplanned steps: once)
         self.plan: NativeBudgetPlan | None = None
+        # the plans of the program's other paths (another branch taken: other ops than the
+        # plan's), by their ops; a step follows the plan, and another path's from where its ops
+        # leave the plan's for that one's (Capture.follow); not with an arena (one per step)
+        self.other_paths: dict[tuple[int, ...], NativeBudgetPlan] = {}
+        self.path_ids: dict[tuple[int, ...], int] = {}  # (tape.stats.planned_path)
+        self.unmeetable: set[tuple[int, ...]] = set()  # paths no plan within the budget can hold
         self.future: Future | None = None
+        # the program's paths are planned together (plan_native_paths), a budget without an
+        # arena: the described step of each path planned, and of the plans being made
+        self.joint = budget is not None and not arena
+        self.described_paths: dict[tuple[int, ...], StepDescription] = {}
+        self.future_d: StepDescription | None = None
+        self.future_ds: list[StepDescription] | None = None
+        self.nothing_new = False  # the last plan taught nothing (a smaller step's, a path known unmeetable)
         self.error: BudgetTooSmall | None = None
         self.steps = 0
         self.described_at = -REPLAN_EVERY
@@ -230,10 +260,16 @@ class NativeBudget:
             lines.append(self._take())
         if self.error is not None:
             raise self.error
+        # (a path not planned yet: described sooner while there is room for its plan and the
+        # last description found one; with two paths planned, a step that grew past the plan may
+        # have taken a path not planned yet, or one no plan can hold, and waits its turn too)
+        paths = self.joint and self._paths() < PATHS and not self.nothing_new
+        every = NEW_PATH_EVERY if paths else REPLAN_EVERY
+        off = self.unfollowed >= UNFOLLOWED or (self.outgrown and len(self.path_ids) >= 2)
         due = (
             self.plan is None
-            or self.outgrown
-            or (self.unfollowed >= UNFOLLOWED and self.steps - self.described_at >= REPLAN_EVERY)
+            or (self.outgrown and len(self.path_ids) < 2)
+            or (off and self.steps - self.described_at >= every)
         )
         self.describing = self.future is None and self.steps >= WARM_UP and due
         # (steps without a plan are described too, for the state they find: their bytes, and
@@ -242,7 +278,8 @@ class NativeBudget:
         if self.described:
             capture.describe_next()
         followed = self._followed()
-        capture.follow(None if followed is None else followed.drops)
+        others = tuple(p.drops for p in self.other_paths.values()) if followed is not None else ()
+        capture.follow(None if followed is None else followed.drops, others)
         cpu.reset_cpu_peak()
         # (the guard: the step's own bytes kept within what the budget leaves beside its state;
         # the first step's state is not known: everything alive as it begins is counted)
@@ -279,10 +316,19 @@ class NativeBudget:
             self.unplannable += 1
         elif self.describing:
             self.unplannable = 0
-            self.future = _submit(d, self.budget, _host_bandwidth() if self.offload else None, self.arena)
+            # (with a path planned, the paths are planned again together, the new one with them)
+            self.future_d = d
+            self.future_ds = None
+            if self.joint and self.plan is not None:
+                self.future_ds = [*self.described_paths.values(), d]
+            bandwidth = _host_bandwidth() if self.offload else None
+            self.future = _submit(self.future_ds or d, self.budget, bandwidth, self.arena)
             self.described_at = self.steps
             self.unfollowed = 0
-            self.growing = self.outgrown
+            # (a program with more than one path planned: a step that grew past the plan may as
+            # well have taken a path not planned yet, with the same ops as the plan's up to a
+            # larger value; the plans keep being followed, each up to such a value)
+            self.growing = self.outgrown and len(self.path_ids) < 2
             self.outgrown = False
         elif self._followed() is not None:
             # (a step off the plan's path: other ops than the step planned; one that grew past
@@ -295,11 +341,14 @@ class NativeBudget:
             self._warn_unplanned()
         # (one definition of a step's bytes, the planner's: the state it found, and at their
         # most the bytes it made; the smallest budget BudgetTooSmall names counts the same)
-        persistent = found if found is not None else self._state()
+        # (a step that followed another path's plan: the state that path's steps find)
+        followed = self._followed_to_the_end(capture)
+        persistent = found if found is not None else self._state() if followed is None else followed.persistent_bytes
         # (the arena of the plan the capture holds, allocated whole, beside the bytes made)
-        followed = self._followed()
         stats.peak_bytes = (persistent or 0) + self._arena_held() + made_peak
         stats.planned_peak_bytes = followed.planned_peak if followed is not None else None
+        stats.planned_path = self.path_ids.get(followed.drops.ops) if followed is not None else None
+        stats.planned_paths = (self.plan is not None) + len(self.other_paths)
         stats.plans_made, stats.planning_seconds = self.plans_made, self.planning_seconds
         c = capture.counters
         stats.recomputed_ops = c.remade - self.remade0
@@ -308,10 +357,10 @@ class NativeBudget:
         stats.arena_placed = c.placed - self.placed0
         if persistent is not None and self.budget is not None and stats.peak_bytes > self.budget:
             stats.over_budget_steps += 1
-        if followed is not None and not self.describing:
+        if self._followed() is not None and not self.describing:
             # (it grew past the plan, a value larger than planned or more held: the next step is
             # described, a plan for larger sizes may be due)
-            grew = capture.outgrew or (capture.followed and stats.peak_bytes > followed.planned_peak * OUTGROWN)
+            grew = capture.outgrew or (followed is not None and stats.peak_bytes > followed.planned_peak * OUTGROWN)
             self.outgrown = self.outgrown or grew
 
     def _followed(self) -> NativeBudgetPlan | None:
@@ -319,6 +368,19 @@ class NativeBudget:
         guard alone holds them until a larger step's plan arrives, or for good where none can
         meet the budget)."""
         return None if self.growing else self.plan
+
+    def _followed_to_the_end(self, capture: Any) -> NativeBudgetPlan | None:
+        """The plan the last step followed to its end: the plan in use, or another path's it
+        took from where its ops left the plan's (None: it followed none)."""
+        followed = self._followed()
+        at = capture.followed_path if followed is not None else -1
+        if at < 0:
+            return None
+        return followed if at == 0 else list(self.other_paths.values())[at - 1]
+
+    def _paths(self) -> int:
+        """Paths planned (the plan in use's and the others'), and those no plan can hold."""
+        return (self.plan is not None) + len(self.other_paths) + len(self.unmeetable)
 
     def _arena_held(self) -> int:
         """The bytes of the arena the plan in use holds whole (0: none)."""
@@ -356,6 +418,9 @@ class NativeBudget:
     def _take(self) -> str:
         f, self.future = self.future, None
         self.growing = False
+        self.nothing_new = False
+        if self.future_ds is not None:
+            return self._take_paths(f, self.future_ds)
         try:
             plan = f.result()
             self.plans_made += 1
@@ -364,33 +429,90 @@ class NativeBudget:
                 # (a smaller step than the one planned: the plan for the larger sizes covers it)
                 return f"memory plan for a smaller step than plan {self.plans}'s left unused"
             self.plan = plan
+            self.path_ids.setdefault(plan.drops.ops, len(self.path_ids))
+            if self.joint:
+                self.described_paths = {plan.drops.ops: self.future_d}
         except BudgetTooSmall as e:
             if self.plan is not None:
-                # (a step larger than the planned one: the guard alone holds steps from now on,
-                # for good: following no plan, none outgrows it, and none is described again)
-                self.growing = True
-                warnings.warn(
-                    f"coexec: the memory budget {format_bytes(self.budget)} of the step at {self.where} "
-                    f"cannot be met by a plan at the sizes of a step larger than the one planned (the "
-                    f"planner's smallest for it: {format_bytes(e.smallest)}); steps run on the capture's "
-                    "guard alone from now on, which holds them within the budget where it can "
-                    "(tape.stats.over_budget_steps counts those it could not)",
-                    RuntimeWarning,
-                    stacklevel=1,
-                )
-                return f"no plan for a larger step within {format_bytes(self.budget)}: the guard alone from now on"
+                return self._outgrown_for_good(e)
             self.error = BudgetTooSmall(
                 e.budget, e.smallest, "this step has not run (the steps before it ran unplanned while it was planned)"
             )
             return f"the memory budget {format_bytes(self.budget)} cannot be met"
         self.plans += 1
-        p = self.plan
+        return self._ready(plan)
+
+    def _take_paths(self, f: Future, ds: list[StepDescription]) -> str:
+        """Take the plans of the program's paths made together (the last of ``ds`` the step just
+        described; of two with the same ops, the larger step's plan is kept): each path's
+        replaces its plan, the plan in use stays the same path's."""
+        results = f.result()
+        self.plans_made += 1
+        best: dict[tuple[int, ...], tuple[NativeBudgetPlan, StepDescription]] = {}
+        for d, r in zip(ds, results):
+            if isinstance(r, BudgetTooSmall):
+                continue
+            if r.drops.ops not in best or r.eager_peak > best[r.drops.ops][0].eager_peak:
+                best[r.drops.ops] = (r, d)
+        self.planning_seconds += max((p.planning_seconds for p, _ in best.values()), default=0.0)
+        last = results[-1]
+        new = path_ops(ds[-1]) if isinstance(last, BudgetTooSmall) else last.drops.ops
+        planned = {p.drops.ops for p in (self.plan, *self.other_paths.values()) if p is not None}
+        if isinstance(last, BudgetTooSmall) and new in planned:
+            return self._outgrown_for_good(last)  # (a larger step of a path planned)
+        if isinstance(last, BudgetTooSmall):  # (a path no plan can hold: its steps have the guard alone)
+            self.nothing_new = new in self.unmeetable
+            if self.nothing_new:
+                return "no plan for another path, known: the guard alone on it"
+            self.unmeetable.add(new)
+            warnings.warn(
+                f"coexec: the memory budget {format_bytes(self.budget)} of the step at {self.where} "
+                f"cannot be met on one of its paths (another branch taken, other ops than the steps "
+                f"planned; the planner's smallest for it: {format_bytes(last.smallest)}); its steps run "
+                "on the capture's guard alone, which holds them within the budget where it can "
+                "(tape.stats.over_budget_steps counts those it could not)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+            return f"no plan for another path within {format_bytes(self.budget)}: the guard alone on it"
+        if best[new][1] is not ds[-1]:  # (a smaller step of a path planned: its plan covers it)
+            self.nothing_new = True
+            return f"memory plan for a smaller step than plan {self.plans}'s left unused"
+        in_use = self.plan.drops.ops if self.plan is not None and self.plan.drops.ops in best else new
+        self.plan = best[in_use][0]
+        self.other_paths = {path: p for path, (p, _) in best.items() if path != in_use}
+        while 1 + len(self.other_paths) > PATHS:  # (the oldest other goes)
+            del self.other_paths[next(iter(self.other_paths))]
+        kept = {in_use, *self.other_paths}
+        self.described_paths = {path: d for path, (_, d) in best.items() if path in kept}
+        for path in kept:
+            self.path_ids.setdefault(path, len(self.path_ids))
+        self.plans += 1
+        return self._ready(self.plan, f" with {len(self.other_paths)} other path(s) planned with it")
+
+    def _outgrown_for_good(self, e: BudgetTooSmall) -> str:
+        """A step larger than the planned one that no plan can hold: the guard alone holds steps
+        from now on, for good (following no plan, none outgrows it, none is described again)."""
+        self.growing = True
+        warnings.warn(
+            f"coexec: the memory budget {format_bytes(self.budget)} of the step at {self.where} "
+            f"cannot be met by a plan at the sizes of a step larger than the one planned (the "
+            f"planner's smallest for it: {format_bytes(e.smallest)}); steps run on the capture's "
+            "guard alone from now on, which holds them within the budget where it can "
+            "(tape.stats.over_budget_steps counts those it could not)",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+        return f"no plan for a larger step within {format_bytes(self.budget)}: the guard alone from now on"
+
+    def _ready(self, p: NativeBudgetPlan, where: str = "") -> str:
+        """The debug line of plan ``p`` taken."""
         arena = f"an arena of {format_bytes(p.arena_bytes)} for {p.placed} storage(s)"
         peak = f"peak {format_bytes(p.eager_peak)} -> {format_bytes(p.planned_peak)}"
         if p.budget is None:
             return f"memory plan {self.plans} ready: {arena}, {peak}, planned in {p.planning_seconds:.2f} s"
         return (
-            f"memory plan {self.plans} ready: {peak} (budget {format_bytes(p.budget)}), {p.recomputed} op(s) "
+            f"memory plan {self.plans} ready{where}: {peak} (budget {format_bytes(p.budget)}), {p.recomputed} op(s) "
             f"recomputed (+{1e3 * p.extra_seconds:.1f} ms){', ' + arena if p.placed else ''}, planned in "
             f"{p.planning_seconds:.2f} s ({p.method})"
         )

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import site
 import sys
@@ -125,7 +126,7 @@ class Capture:
         self._c = built.Capture(
             mode, torch.get_num_threads(), _internal_dirs(), _library_dirs(), try_scopes, _with_place
         )
-        self._following: DropPlan | None = None
+        self._following: tuple[DropPlan | None, tuple[DropPlan, ...]] = (None, ())
 
     def step(self) -> _CapturedStep:
         """Capture the ops this thread runs inside the ``with`` block."""
@@ -171,18 +172,28 @@ class Capture:
         """The last step's user lines (where its ops were called) that no traced step had met."""
         return StepLines(*self._c.lines)
 
-    def follow(self, plan: DropPlan | None) -> None:
-        """Follow ``plan`` from the next step on (None: no plan)."""
-        if plan is self._following:  # (asked before every step: the same plan costs nothing)
-            return
-        self._following = plan
+    def follow(self, plan: DropPlan | None, other_paths: tuple[DropPlan, ...] = ()) -> None:
+        """Follow ``plan`` from the next step on (None: no plan); a step whose ops leave its path
+        where one of ``other_paths``' plans (the same ops before, this op here: another branch
+        taken) goes on follows that one from there (:attr:`followed_path` says which). Plans
+        with an arena take no other paths."""
+        was, was_others = self._following
+        if was is plan and len(was_others) == len(other_paths) and all(map(operator.is_, was_others, other_paths)):
+            return  # (asked before every step: the same plans cost nothing)
+        if other_paths and (plan is None or any(p.arena_bytes for p in (plan, *other_paths))):
+            raise ValueError("plans of other paths go beside a plan, none with an arena (one arena per step)")
+        self._following = (plan, other_paths)
         if plan is None:
             self._c.clear_drops()
-        else:
-            self._c.set_drops(
-                list(plan.ops), sorted(plan.keep), sorted(plan.after.items()), list(plan.value_bytes),
-                [tuple(p) for p in plan.parks], plan.arena_bytes, [tuple(p) for p in plan.placed],
-            )  # fmt: skip
+            return
+        self._c.set_drops(
+            list(plan.ops), sorted(plan.keep), sorted(plan.after.items()), list(plan.value_bytes),
+            [tuple(p) for p in plan.parks], plan.arena_bytes, [tuple(p) for p in plan.placed],
+        )  # fmt: skip
+        for p in other_paths:
+            self._c.add_path(
+                list(p.ops), sorted(p.keep), sorted(p.after.items()), list(p.value_bytes), [tuple(x) for x in p.parks]
+            )
 
     def guard(self, cap: int) -> None:
         """Keep the next steps' ops within ``cap`` bytes of the blocks the CPU allocator handed
@@ -197,6 +208,12 @@ class Capture:
     def followed(self) -> bool:
         """Did the last step follow its memory plan to its end?"""
         return self._c.followed
+
+    @property
+    def followed_path(self) -> int:
+        """Which plan the last step followed to its end: 0 the one :meth:`follow` was given, i
+        the i-th of its ``other_paths`` (-1: none)."""
+        return self._c.followed_path
 
     @property
     def outgrew(self) -> bool:

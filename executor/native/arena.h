@@ -229,18 +229,12 @@ struct ArenaOffer {
   Arena* arena = nullptr;
   const uint32_t* regions = nullptr;
   size_t count = 0;
+  int64_t bytes = 0;  // its regions' bytes (the op's storages the plan puts in the arena)
 
   void* take(size_t n) const {
     for (size_t i = 0; i < count; ++i)
       if (void* p = arena->take(regions[i], n)) return p;
     return nullptr;
-  }
-
-  // The bytes of its regions (the op's storages the plan puts in the arena).
-  int64_t bytes() const {
-    int64_t n = 0;
-    for (size_t i = 0; i < count; ++i) n += arena->region_bytes(regions[i]);
-    return n;
   }
 };
 

@@ -258,7 +258,7 @@ class Capture {
     }
     g_describing.store(describing_);
     if (worker_) {
-      worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_, cap_);
+      worker_->set_step(describing_ ? nullptr : drops_, describing_, first_value_, cap_, other_paths_);
       // (the worker computes the step: this thread's team goes, openmp_team.h; at most every
       // kTeamReleaseEvery: a step that runs parallel ops at once here, a backward inside a
       // catching try, makes the team again within the step, and letting it go at every step
@@ -470,16 +470,15 @@ class Capture {
     return py::make_tuple(ops, log.nbytes, log.before, fetched, released, alive);
   }
 
-  // Follow this memory plan from the next step on (see Drops): per place the op id expected
-  // there (0: an op that ran at once), the values whose producers are kept, per place the
-  // values dropped after it, and per value its bytes in the planned step.
-  void set_drops(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
-                 const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
-                 const std::vector<int64_t>& value_bytes,
-                 const std::vector<std::tuple<std::vector<uint32_t>, int64_t, int64_t, int64_t, int64_t>>& parks,
-                 int64_t arena_bytes, const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>& placed) {
+  using Parks = std::vector<std::tuple<std::vector<uint32_t>, int64_t, int64_t, int64_t, int64_t>>;
+  using Placements = std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>;
+
+  // A plan as the worker follows it (set_drops, add_path).
+  std::shared_ptr<const Drops> make_drops(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
+                                         const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
+                                         const std::vector<int64_t>& value_bytes, const Parks& parks,
+                                         int64_t arena_bytes, const Placements& placed) {
     auto d = std::make_shared<Drops>();
-    keep_learnt();
     if (arena_bytes > 0 && !placed.empty()) place(*d, ops.size(), arena_bytes, placed, arena_learnt_);
     d->value_bytes = value_bytes;
     for (const auto& [values, out_after, back_after, host_offset, host_bytes] : parks) {
@@ -506,12 +505,35 @@ class Capture {
     }
     d->after = after;
     std::sort(d->after.begin(), d->after.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    drops_ = std::move(d);
+    return d;
+  }
+
+  // Follow this memory plan from the next step on (see Drops): per place the op id expected
+  // there (0: an op that ran at once), the values whose producers are kept, per place the
+  // values dropped after it, and per value its bytes in the planned step.
+  void set_drops(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
+                 const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
+                 const std::vector<int64_t>& value_bytes, const Parks& parks, int64_t arena_bytes,
+                 const Placements& placed) {
+    keep_learnt();
+    drops_ = make_drops(ops, keep, after, value_bytes, parks, arena_bytes, placed);
+    other_paths_.clear();
+  }
+
+  // Beside the plan set_drops gave: the plan of another path of the program, which a step takes
+  // where its ops leave the first plan's for this one's (Worker::switch_path). No arena: a
+  // plan's arena is held whole, one per step.
+  void add_path(const std::vector<int64_t>& ops, const std::vector<int64_t>& keep,
+                const std::vector<std::pair<int64_t, std::vector<uint32_t>>>& after,
+                const std::vector<int64_t>& value_bytes, const Parks& parks) {
+    TORCH_CHECK(drops_ != nullptr && !drops_->arena, "coexec: another path's plan goes beside a plan without an arena");
+    other_paths_.push_back(make_drops(ops, keep, after, value_bytes, parks, 0, {}));
   }
 
   void clear_drops() {
     keep_learnt();
     drops_.reset();
+    other_paths_.clear();
   }
 
   // What the arena of the plan in use learnt of kernels' allocations (Arena::learn), kept for
@@ -530,7 +552,7 @@ class Capture {
     std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> sorted(placed);
     std::sort(sorted.begin(), sorted.end());
     std::vector<ArenaRegion> regions;
-    d.arena_at.assign(places, {0, 0});
+    d.arena_at.assign(places, {});
     std::vector<int32_t> skips;
     for (const auto& [at, nbytes, offset, skip] : sorted) {
       TORCH_CHECK(at >= 0 && static_cast<size_t>(at) < places && nbytes > 0 && offset >= 0 && offset % 64 == 0 &&
@@ -539,9 +561,10 @@ class Capture {
       const auto r = static_cast<uint32_t>(regions.size());
       regions.push_back({at, offset, nbytes, {}});
       skips.push_back(static_cast<int32_t>(std::max<int64_t>(skip, 0)));
-      auto& [begin, end] = d.arena_at[at];
-      if (begin == end) begin = end = r;
-      ++end;
+      Drops::ArenaPlace& where = d.arena_at[at];
+      if (where.begin == where.end) where.begin = where.end = r;
+      ++where.end;
+      where.bytes += nbytes;
       d.arena_regions.push_back(r);
     }
     c10::DataPtr memory = count_cpu_bytes().allocate(static_cast<size_t>(bytes));
@@ -560,6 +583,8 @@ class Capture {
 
   // Did the last step follow its memory plan to its end (false: it met another op first, or had none)?
   bool followed() const { return followed_; }
+  // the plan the last step followed to its end: 0 set_drops's, i add_path's i-th (-1: none)
+  int followed_path() const { return followed_path_; }
   // Did it stop following because a value was larger than the planned step's (its sizes grew)?
   bool outgrew() const { return outgrew_; }
 
@@ -685,8 +710,10 @@ class Capture {
   std::vector<std::optional<at::Tensor>> grads_;  // (take_grads)
   // memory plans
   std::shared_ptr<const Drops> drops_;
+  std::vector<std::shared_ptr<const Drops>> other_paths_;  // (add_path)
   std::vector<std::tuple<int64_t, int64_t, int32_t>> arena_learnt_;  // (keep_learnt)
   bool describe_next_ = false, describing_ = false, followed_ = false, outgrew_ = false;
+  int followed_path_ = -1;
   std::vector<uint64_t> alive_;  // (described) values Python held at the step's end
   // traces
   bool trace_next_ = false, tracing_ = false;
@@ -841,6 +868,7 @@ class Capture {
     });
     if (worker_) {
       followed_ = worker_->followed();
+      followed_path_ = worker_->followed_path();
       outgrew_ = worker_->outgrew();
       worker_->end_step();
     }
@@ -1885,6 +1913,8 @@ void bind_capture(py::module_& m) {
       .def("description", &Capture::description)
       .def("set_drops", &Capture::set_drops)
       .def("clear_drops", &Capture::clear_drops)
+      .def("add_path", &Capture::add_path)
+      .def_property_readonly("followed_path", &Capture::followed_path)
       .def("guard", &Capture::guard)
       .def_property_readonly("followed", &Capture::followed)
       .def_property_readonly("outgrew", &Capture::outgrew)

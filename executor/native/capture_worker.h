@@ -291,14 +291,18 @@ struct Drops {
   // (arena_regions[begin, end)); the plan holds the arena, a storage in it holds it too
   std::unique_ptr<ArenaHandle> arena;
   std::vector<uint32_t> arena_regions;
-  std::vector<std::pair<uint32_t, uint32_t>> arena_at;  // per place: (begin, end) in arena_regions
+  struct ArenaPlace {
+    uint32_t begin = 0, end = 0;  // its regions: arena_regions[begin, end)
+    int64_t bytes = 0;            // theirs together
+  };
+  std::vector<ArenaPlace> arena_at;  // per place
 
   // The placements of the op at `place` if it is the plan's op there (false: none).
   bool offer(int64_t place, const c10::OperatorHandle* op, ArenaOffer& out) const {
     if (!arena || place < 0 || static_cast<size_t>(place) >= arena_at.size() || ops[place] != op) return false;
-    const auto [begin, end] = arena_at[place];
-    if (begin == end) return false;
-    out = ArenaOffer{arena->arena, arena_regions.data() + begin, end - begin};
+    const ArenaPlace& at = arena_at[place];
+    if (at.begin == at.end) return false;
+    out = ArenaOffer{arena->arena, arena_regions.data() + at.begin, at.end - at.begin, at.bytes};
     return true;
   }
 };
@@ -625,17 +629,28 @@ class Worker final : public RoomMaker {
   // thread while the worker has nothing to run (before the step's first op is published).
   // `cap`: the bytes the CPU allocator handed out since its reset_peak() (made()) that the step's
   // ops keep within (0: no guard; Worker::guard).
-  void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value, int64_t cap) {
+  // `paths`: the plans of the program's other paths (none with an arena), which the step may
+  // take instead where its ops leave this plan's (switch_path).
+  void set_step(std::shared_ptr<const Drops> drops, bool describe, uint64_t first_value, int64_t cap,
+                const std::vector<std::shared_ptr<const Drops>>& paths = {}) {
     drops_ = std::move(drops);
+    paths_.clear();
+    path_ = 0;
+    if (drops_) {
+      paths_.push_back(drops_);
+      paths_.insert(paths_.end(), paths.begin(), paths.end());
+    }
     following_ = drops_ != nullptr;
     outgrew_ = false;
     next_drop_ = 0;
     next_park_ = 0;
     parkable_.clear();
     parked_.assign(drops_ ? drops_->parks.size() : 0, nullptr);
-    if (drops_ && drops_->host_bytes > pool_bytes_) {  // (plain memory: the CPU allocator does not count it)
-      pool_.reset(new uint8_t[drops_->host_bytes]);
-      pool_bytes_ = drops_->host_bytes;
+    int64_t host_bytes = 0;
+    for (const auto& d : paths_) host_bytes = std::max(host_bytes, d->host_bytes);
+    if (host_bytes > pool_bytes_) {  // (plain memory: the CPU allocator does not count it)
+      pool_.reset(new uint8_t[host_bytes]);
+      pool_bytes_ = host_bytes;
     }
     first_value_ = first_value;
     kept_.clear();
@@ -661,6 +676,9 @@ class Worker final : public RoomMaker {
     for (auto& p : parked_)
       if (p) bring_back(*p, true);
     parked_.clear();
+    for (auto& p : parked_on_other_paths_) bring_back(*p, true);
+    parked_on_other_paths_.clear();
+    paths_.clear();
     parkable_.clear();
     drops_.reset();
     cap_ = 0;
@@ -674,6 +692,8 @@ class Worker final : public RoomMaker {
 
   // Did the step follow its plan to the end? Values dropped so far.
   bool followed() const { return following_; }
+  // Which plan it followed to the end: 0 the step's, i the i-th of its other paths' (-1: none).
+  int followed_path() const { return following_ ? path_ : -1; }
   // Did it stop following because a value was larger than the planned step's (sizes grew)?
   bool outgrew() const { return outgrew_; }
   int64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
@@ -715,6 +735,9 @@ class Worker final : public RoomMaker {
   std::vector<at::Tensor> held_;  // (scratch for bury)
   // the step's memory plan (Drops), as the worker follows it
   std::shared_ptr<const Drops> drops_;
+  std::vector<std::shared_ptr<const Drops>> paths_;  // the step's plan, then its other paths' (set_step)
+  int path_ = 0;                                     // which of them drops_ is
+  std::vector<std::shared_ptr<Parked>> parked_on_other_paths_;  // parked by a plan the step left (switch_path)
   bool following_ = false;
   bool outgrew_ = false;
   std::atomic<bool> release_team_{false};  // (release_team: the worker lets its OpenMP team go)
@@ -837,24 +860,17 @@ class Worker final : public RoomMaker {
   // After op `e` ran under a plan: its kept values get their recipe, and the values the plan
   // drops after it are dropped.
   void follow(const TapeEntry& e) {
-    const Drops& d = *drops_;
-    if (e.index < 0 || static_cast<size_t>(e.index) >= d.ops.size() || d.ops[e.index] != e.op) {
+    // (a value larger than planned: the guard alone holds the step from here, unless another
+    // path's plan has this op here with values of these sizes. The plan's drops, followed beside
+    // the guard at larger sizes, left it values to make again in chains: a batch grown 67% past
+    // the planned one went up to 9% over its budget)
+    const Fit fit = on_plan(*drops_, e) ? fits(*drops_, e) : Fit::kNo;
+    if (fit != Fit::kExactly && !switch_path(e) && fit == Fit::kNo) {
       following_ = false;  // (another path: what was dropped is made again when read)
+      outgrew_ = on_plan(*drops_, e);
       return;
     }
-    for (const auto& s : e.out_slots) {
-      // (a value larger than planned: the guard alone holds the step from here. The plan's
-      // drops, followed beside the guard at larger sizes, left it values to make again in
-      // chains: a batch grown 67% past the planned one went up to 9% over its budget)
-      if (!s || s->id < first_value_ || !s->real.defined()) continue;
-      const uint64_t n = s->id - first_value_;
-      if (n < d.value_bytes.size() && d.value_bytes[n] > 0 &&
-          static_cast<int64_t>(s->real.storage().nbytes()) > d.value_bytes[n]) {
-        following_ = false;
-        outgrew_ = true;
-        return;
-      }
-    }
+    const Drops& d = *drops_;
     if (!d.parks.empty())
       for (const auto& s : e.out_slots) {
         if (!s || s->id < first_value_) continue;
@@ -888,6 +904,61 @@ class Worker final : public RoomMaker {
         bring_back(*p, false);
       }
     }
+  }
+
+  static bool on_plan(const Drops& d, const TapeEntry& e) {
+    return e.index >= 0 && static_cast<size_t>(e.index) < d.ops.size() && d.ops[e.index] == e.op;
+  }
+
+  // Do op `e`'s values (on plan `d`'s path) have the planned step's sizes, or at most them?
+  enum class Fit { kNo, kSmaller, kExactly };
+  Fit fits(const Drops& d, const TapeEntry& e) const {
+    Fit fit = Fit::kExactly;
+    for (const auto& s : e.out_slots) {
+      if (!s || s->id < first_value_ || !s->real.defined()) continue;
+      const uint64_t n = s->id - first_value_;
+      if (n >= d.value_bytes.size() || d.value_bytes[n] <= 0) continue;
+      const auto nbytes = static_cast<int64_t>(s->real.storage().nbytes());
+      if (nbytes > d.value_bytes[n]) return Fit::kNo;
+      if (nbytes < d.value_bytes[n]) fit = Fit::kSmaller;
+    }
+    return fit;
+  }
+
+  // Op `e` left the plan's path, or made values of other sizes than it planned: follow instead
+  // another path's plan with the same ops before it and `e` here with values of these sizes (a
+  // branch the program took; a branch may differ in sizes alone, a layer's width). What this
+  // plan did before `e` stands: values it dropped are made again where read, values it kept a
+  // recipe for but the other drops are dropped when it says, values it parked come back when
+  // read or at the step's end; the other plan's drops and parks before `e` are passed over (the
+  // guard holds what they would have freed). So the step stays eager's whichever plans it
+  // followed; planned together (coexec/native_budget.py, plan_native_paths), the two agree
+  // before the branch.
+  bool switch_path(const TapeEntry& e) {
+    const auto k = static_cast<size_t>(std::max<int64_t>(e.index, 0));
+    for (size_t i = 0; i < paths_.size(); ++i) {
+      const Drops& o = *paths_[i];
+      const auto& ours = drops_->ops;
+      if (static_cast<int>(i) == path_ || !on_plan(o, e) || fits(o, e) != Fit::kExactly || ours.size() < k ||
+          !std::equal(o.ops.begin(), o.ops.begin() + static_cast<std::ptrdiff_t>(k), ours.begin()))
+        continue;
+      for (auto& p : parked_)
+        if (p) parked_on_other_paths_.push_back(std::move(p));
+      drops_ = paths_[i];
+      path_ = static_cast<int>(i);
+      parked_.assign(o.parks.size(), nullptr);
+      parkable_.clear();
+      const auto place = static_cast<int64_t>(k);
+      next_drop_ = static_cast<size_t>(
+          std::lower_bound(o.after.begin(), o.after.end(), place, [](const auto& a, int64_t p) { return a.first < p; }) -
+          o.after.begin());
+      next_park_ = static_cast<size_t>(
+          std::lower_bound(o.park_events.begin(), o.park_events.end(), place,
+                           [](const ParkEvent& a, int64_t p) { return a.place < p; }) -
+          o.park_events.begin());
+      return true;
+    }
+    return false;
   }
 
   // Park the storage of plan park `k`'s values in its slice of the host pool and release it,
@@ -1030,7 +1101,7 @@ class Worker final : public RoomMaker {
   // later, made it again outside the arena, and the step held 8% over its plan and its budget).
   void make_room_for_op(const TapeEntry& e, const ArenaOffer* in_arena) {
     int64_t need = e.made_bytes;
-    if (in_arena != nullptr) need = std::max<int64_t>(0, need - in_arena->bytes());
+    if (in_arena != nullptr) need = std::max<int64_t>(0, need - in_arena->bytes);
     for (const auto& s : e.slots)
       if (s && !s->real.defined() && s->recipe) need += remaking(*s, kLongestChain).bytes;
     make_room(e, need);

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coexec.native_budget import plan_native_budget, planning_graph
+from coexec.native_budget import path_keys, plan_native_budget, plan_native_paths, planning_graph
 from executor import native
 from executor.capture import Capture
 from executor.step_plans import DropPlan, StepDescription
@@ -261,3 +261,69 @@ def test_a_kernels_temporary_bytes_are_in_the_description() -> None:
     g = planning_graph(d)
     conv = next(o.place for o in d.ops if o.name == "aten::convolution")
     assert g.ops[conv].workspace == work["aten::convolution"]
+
+
+def _branchy(ws: list[torch.Tensor], x: torch.Tensor, i: int) -> torch.Tensor:
+    """Three layers on odd steps, six on even ones (a branch): the paths share the first ops."""
+    h = x
+    for w in ws[: 3 if i % 2 else 6]:
+        h = torch.tanh(h @ w)
+    loss = h.pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def test_paths_share_keys_up_to_where_they_part() -> None:
+    capture = Capture()
+    ws = [torch.randn(32, 32, requires_grad=True) for _ in range(6)]
+    x = torch.randn(16, 32)
+    short, long = (described(capture, lambda i, p=p: _branchy(ws, x, i + p)) for p in (0, 1))
+    assert len(short.ops) < len(long.ops)
+    a, b = path_keys([short, long])
+    common = next(j for j, (u, v) in enumerate(zip(a, b)) if u != v)
+    assert common > 0 and a[:common] == b[:common]  # (the shared layers)
+    assert not set(a[common:]) & set(b[common:])  # (apart once parted)
+    assert path_keys([short, long]) == [a, b] and path_keys([long]) != [a]  # (keys name a prefix)
+
+
+def test_a_step_takes_the_plan_of_its_branch_and_holds_what_it_planned() -> None:
+    """Two paths planned together (``plan_native_paths``), the capture following one with the
+    other beside it: a step of either branch follows its own plan to its end (``followed_path``),
+    bit-equal to eager, and holds at most what that plan planned. (Planned apart, a step that took
+    the other branch's plan over held more than that plan: the first plan's drops before the
+    branch were not the second's.)"""
+    cpu = native.wait()
+    cpu.count_cpu_bytes()
+    capture = Capture()
+    torch.manual_seed(0)
+    ws = [torch.randn(128, 128, requires_grad=True) for _ in range(6)]
+    x = torch.randn(128, 128)
+    ds = [described(capture, lambda i, p=p: _branchy(ws, x, i + p)) for p in (0, 1)]
+    smallest, eager = [], []
+    for d in ds:
+        g = planning_graph(d)
+        eager.append(replay(g, list(range(len(g))), check_order=False).peak)
+        with pytest.raises(BudgetTooSmall) as small:
+            plan_native_budget(d, g.persistent_bytes + 1)
+        smallest.append(small.value.smallest)
+    budget = (max(smallest) + max(eager)) // 2
+    plans = plan_native_paths(ds, budget)
+    assert all(p.planned_peak <= budget for p in plans) and sum(p.recomputed for p in plans) > 0
+    for first in (0, 1):
+        capture.follow(plans[first].drops, (plans[1 - first].drops,))
+        for i in range(4):
+            ref = [w.detach().clone().requires_grad_() for w in ws]
+            for w, r in zip(ws, ref):  # (gradients accumulate, as in the described steps)
+                r.grad = w.grad.clone()
+            want = _branchy(ref, x, i)
+            live = cpu.cpu_bytes()[0]
+            cpu.reset_cpu_peak()
+            with capture.step():
+                got = _branchy(ws, x, i)
+            held = cpu.cpu_bytes()[1] - live
+            path = capture.followed_path
+            assert capture.followed and path >= 0
+            plan = plans[first] if path == 0 else plans[1 - first]
+            assert plan.drops.ops == (plans[1] if i % 2 == 0 else plans[0]).drops.ops  # (its branch's)
+            assert torch.equal(got, want) and all(torch.equal(w.grad, r.grad) for w, r in zip(ws, ref))
+            assert held <= plan.planned_peak - plan.persistent_bytes, (first, i, held, plan.planned_peak)
