@@ -7,11 +7,12 @@ trunk's output (``.item()``: a data-dependent 3-way branch), run once or twice (
 count varies with the step), and an output layer; SGD, batch 128: six paths, whose peaks differ.
 Each fraction runs in a process of its own: one copy trains under a budget too large to bind to
 measure each step's peak, then a copy from the same seed trains under ``memory_budget`` =
-fraction x the largest of those peaks, stepping in turn with an eager copy. Columns:
+fraction x the largest of those peaks (the program's whole state, every head's parameters, and
+the bytes the step made at their most), stepping in turn with an eager copy. Columns:
 
-* ``over budget``: steps whose measured peak (``tape.stats.peak_bytes``) is over the budget, of
-  all (those before a path's plan arrives, and those of paths no plan can hold, run on the
-  capture's guard alone, which holds them where it can);
+* ``over budget``: steps whose peak (the program's state and the bytes the step made at their
+  most, as above) is over the budget, of all (those before a path's plan arrives, and those of
+  paths no plan can hold, run on the capture's guard alone, which holds them where it can);
 * ``followed``: steps that followed a plan to their end (the capture's ``followed``), and
   ``largest followed peak / planned``: their measured peak over the plan's
   (``tape.stats.planned_peak_bytes``, where the code reports it for the plan followed);
@@ -64,14 +65,17 @@ def _step(state: dict, i: int) -> torch.Tensor:
 
 
 def measure(fraction: float, steps: int) -> dict:
-    native.wait()
+    cpu = native.wait()
     probe = _state()
     tape = coexec.GradientTape(backend="native", memory_budget=10**11, key=("branch budget", "probe"))
+    # (a step's peak: the program's whole state, every head's parameters, and the bytes the step
+    # made at their most; the state a budget counts, coexec/native_budget.py other_states)
+    state = sum(p.untyped_storage().nbytes() for p in probe["model"].parameters())
     peaks = []
     for i in range(steps):
         with tape:
             _step(probe, i)
-        peaks.append(tape.stats.peak_bytes)
+        peaks.append(state + cpu.cpu_bytes_made()[1])
     budget = int(fraction * max(peaks))
     eager, captured = _state(), _state()
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("branch budget", fraction))
@@ -86,7 +90,7 @@ def measure(fraction: float, steps: int) -> dict:
             return {"fraction": fraction, "budget MB": budget / 1e6, "over budget": f"none: {e}"}
         equal = equal and torch.equal(want, got)
         s = tape.stats
-        over += s.peak_bytes > budget
+        over += state + cpu.cpu_bytes_made()[1] > budget
         if runtime.capture().followed:
             followed += 1
             if s.planned_peak_bytes:

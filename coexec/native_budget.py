@@ -58,10 +58,12 @@ class NotPlannable(ValueError):
     """A described step the planner cannot take (it says why)."""
 
 
-def planning_graph(d: StepDescription) -> PlanningGraph:
+def planning_graph(d: StepDescription, other_state: int = 0) -> PlanningGraph:
     """The described step as the planner sees it: ops in issue order, storages with their bytes
     and how long the program held them (a value with no placeholder, an intermediate gradient of
-    a gradient block, is held to its last use).
+    a gradient block, is held to its last use); ``other_state``: bytes of the program's state
+    that this path's ops do not touch (other branches' parameters: :func:`other_states`), one
+    persistent storage more.
 
     A value the program let go of with ``at`` ops issued is gone before op ``at`` runs in the
     steps a plan is for: under a plan or a guard the step's thread lets go of its slot at once
@@ -96,7 +98,26 @@ def planning_graph(d: StepDescription) -> PlanningGraph:
         StorageFacts(nbytes, existed, held.get(sid), sid in alive, sid in fetched)
         for sid, (nbytes, existed) in enumerate(zip(d.storage_bytes, d.existed))
     ]
+    if other_state > 0:
+        facts.append(StorageFacts(other_state, True))
     return PlanningGraph.from_accesses(accesses, facts)
+
+
+def other_states(ds: list[StepDescription]) -> list[int]:
+    """Per described path, the bytes of the program's state that its ops do not touch but another
+    path's write (by their storages' ids): the parameters, gradients and optimizer state of the
+    branches it does not take, in memory all the same. (State no path writes, a frozen layer, or
+    a batch made before the step, is not told apart from a batch: not counted.)"""
+    state: dict[int, int] = {}
+    touched: list[set[int]] = []
+    for d in ds:
+        ids = d.state_ids or (0,) * len(d.storage_bytes)
+        for o in d.ops:
+            for sid in o.writes:
+                if ids[sid]:
+                    state[ids[sid]] = d.storage_bytes[sid]
+        touched.append({i for i in ids if i})
+    return [sum(n for i, n in state.items() if i not in mine) for mine in touched]
 
 
 def drop_places(plan: RematPlan) -> dict[int, list[int]]:
@@ -140,15 +161,17 @@ def plan_native_budget(
     time_limit: float = 10.0,
     bandwidth: Bandwidth | None = None,
     arena: bool = False,
+    other_state: int = 0,
 ) -> NativeBudgetPlan:
     """The plan that keeps the described step's path within ``budget`` bytes (persistent state
     included, UNSEEN_BYTES left free) at the least recomputation; with ``bandwidth`` (the host
     copy channel's, offload=True), storages may be parked in the host pool instead of
     recomputed; with ``arena``, the storages it neither drops nor parks are placed in one arena
     (:func:`arena_placements`), the arena counted whole in the budget. Raises
-    :class:`planner.BudgetTooSmall` naming the smallest budget a plan meets."""
+    :class:`planner.BudgetTooSmall` naming the smallest budget a plan meets. ``other_state``: as
+    :func:`planning_graph`'s (counted in the plan's state and peaks)."""
     t0 = time.perf_counter()
-    g = planning_graph(d)
+    g = planning_graph(d, other_state)
     random = {j for j, o in enumerate(d.ops) if o.random}  # (the worker does not replay generators)
     limit = budget - UNSEEN_BYTES
     try:
@@ -226,22 +249,38 @@ def path_keys(ds: list[StepDescription]) -> list[list[int]]:
     return out
 
 
+@dataclass(frozen=True)
+class PathsToPlan:
+    """A program's paths to plan together (their described steps, :func:`plan_native_paths`),
+    and those of its paths no plan can hold, whose state counts beside the others'."""
+
+    planned: list[StepDescription]
+    state_only: list[StepDescription]
+
+
 def plan_native_paths(
-    ds: list[StepDescription], budget: int, time_limit: float = 10.0, bandwidth: Bandwidth | None = None
+    ds: list[StepDescription],
+    budget: int,
+    time_limit: float = 10.0,
+    bandwidth: Bandwidth | None = None,
+    state_of: list[StepDescription] | tuple[StepDescription, ...] = (),
 ) -> list[NativeBudgetPlan | BudgetTooSmall]:
     """Plans for the described steps of a program's paths (one per path, by their ops), made
     together so that they agree where the paths share ops (:func:`path_keys`): per path its plan,
     or the :class:`planner.BudgetTooSmall` of a path no plan can hold alone (the others are then
-    planned together without it; where even they cannot be, each alone, agreeing with none)."""
+    planned together without it; where even they cannot be, each alone, agreeing with none).
+    Each path's plan counts the state the other paths write beside its own (:func:`other_states`;
+    ``state_of``: more paths whose state counts, not planned)."""
     t0 = time.perf_counter()
-    graphs = [planning_graph(d) for d in ds]
+    others = other_states([*ds, *state_of])[: len(ds)]
+    graphs = [planning_graph(d, other) for d, other in zip(ds, others)]
     try:
         plans = _plan_together(ds, graphs, budget, time_limit, bandwidth)
     except BudgetTooSmall:
         alone: list[NativeBudgetPlan | BudgetTooSmall] = []
-        for d in ds:
+        for d, other in zip(ds, others):
             try:
-                alone.append(plan_native_budget(d, budget, time_limit / len(ds), bandwidth))
+                alone.append(plan_native_budget(d, budget, time_limit / len(ds), bandwidth, other_state=other))
             except BudgetTooSmall as e:
                 alone.append(e)
         held = [j for j, r in enumerate(alone) if not isinstance(r, BudgetTooSmall)]

@@ -9,13 +9,13 @@ import sys
 
 import torch
 
-from coexec.native_budget import plan_native, plan_native_paths
+from coexec.native_budget import PathsToPlan, plan_native, plan_native_paths
 from coexec.plan_process import _read, _write
 
 
 def main() -> None:
-    """The child's loop: a described step (or a list of them, a program's paths planned
-    together: :func:`plan_native_paths`), a budget (None: none), the host bandwidth (None: no
+    """The child's loop: a described step (or a program's paths to plan together,
+    :class:`PathsToPlan`), a budget (None: none), the host bandwidth (None: no
     offloading) and whether to plan an arena in, (True, plan or plans) or (False, error) out."""
     out = os.fdopen(os.dup(1), "wb")  # (fd 1 is the pipe: anything printed goes to stderr)
     os.dup2(2, 1)
@@ -26,8 +26,8 @@ def main() -> None:
         except EOFError:
             return
         try:
-            if isinstance(d, list):
-                answer = (True, plan_native_paths(d, budget, bandwidth=bandwidth))
+            if isinstance(d, PathsToPlan):
+                answer = (True, plan_native_paths(d.planned, budget, bandwidth=bandwidth, state_of=d.state_only))
             else:
                 answer = (True, plan_native(d, budget, bandwidth, arena))
         except Exception as e:  # noqa: BLE001 (raised in the training process)

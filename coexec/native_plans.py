@@ -55,7 +55,7 @@ import torch
 from executor.step_plans import StepDescription
 from planner import Bandwidth, BudgetTooSmall, format_bytes
 
-from .native_budget import NativeBudgetPlan, path_ops, plan_native, plan_native_paths
+from .native_budget import NativeBudgetPlan, PathsToPlan, path_ops, plan_native, plan_native_paths
 from .plan_process import _child_path, _read, _write
 
 WARM_UP = 2  # unplanned steps before one is described (the capture meets the ops, then the backward)
@@ -99,9 +99,9 @@ class _PlanChild:
             )  # fmt: skip
 
     def plan(
-        self, d: StepDescription | list[StepDescription], budget: int | None, bandwidth: Bandwidth | None, arena: bool
+        self, d: StepDescription | PathsToPlan, budget: int | None, bandwidth: Bandwidth | None, arena: bool
     ) -> NativeBudgetPlan | list[NativeBudgetPlan | BudgetTooSmall]:
-        """The plan of ``d`` (a list: its paths' plans, :func:`plan_native_paths`)."""
+        """The plan of ``d`` (paths: theirs, :func:`plan_native_paths`)."""
         with self._lock:
             self._start()
             _write(self._proc.stdin, pickle.dumps((d, budget, bandwidth, arena), protocol=pickle.HIGHEST_PROTOCOL))
@@ -168,11 +168,9 @@ def wait_for_native_plans(timeout: float | None = None) -> bool:
     return not not_done
 
 
-def _submit(
-    d: StepDescription | list[StepDescription], budget: int | None, bandwidth: Bandwidth | None, arena: bool
-) -> Future:
-    """The plan (of a list of paths' described steps: theirs, :func:`plan_native_paths`), made
-    in the child process (here, in a thread, if the child cannot run)."""
+def _submit(d: StepDescription | PathsToPlan, budget: int | None, bandwidth: Bandwidth | None, arena: bool) -> Future:
+    """The plan (of a program's paths: theirs, :func:`plan_native_paths`), made in the child
+    process (here, in a thread, if the child cannot run)."""
     f: Future = Future()
     with _pending_lock:
         _pending.add(f)
@@ -189,8 +187,8 @@ def _submit(
                 result = _child.plan(d, budget, bandwidth, arena)
             except (OSError, EOFError, pickle.PickleError):
                 result = (
-                    plan_native_paths(d, budget, bandwidth=bandwidth) if isinstance(d, list)
-                    else plan_native(d, budget, bandwidth, arena)
+                    plan_native_paths(d.planned, budget, bandwidth=bandwidth, state_of=d.state_only)
+                    if isinstance(d, PathsToPlan) else plan_native(d, budget, bandwidth, arena)
                 )  # fmt: skip
             f.set_result(result)
         except BaseException as e:  # noqa: BLE001 (handed to the step that takes the plan)
@@ -228,7 +226,9 @@ class NativeBudget:
         # leave the plan's for that one's (Capture.follow); not with an arena (one per step)
         self.other_paths: dict[tuple[int, ...], NativeBudgetPlan] = {}
         self.path_ids: dict[tuple[int, ...], int] = {}  # (tape.stats.planned_path)
-        self.unmeetable: set[tuple[int, ...]] = set()  # paths no plan within the budget can hold
+        # paths no plan within the budget can hold, by their ops: a described step of each (their
+        # state counts in the other paths' plans)
+        self.unmeetable_paths: dict[tuple[int, ...], StepDescription] = {}
         self.future: Future | None = None
         # the program's paths are planned together (plan_native_paths), a budget without an
         # arena: the described step of each path planned, and of the plans being made
@@ -319,10 +319,12 @@ class NativeBudget:
             # (with a path planned, the paths are planned again together, the new one with them)
             self.future_d = d
             self.future_ds = None
+            paths = d
             if self.joint and self.plan is not None:
                 self.future_ds = [*self.described_paths.values(), d]
+                paths = PathsToPlan(self.future_ds, list(self.unmeetable_paths.values()))
             bandwidth = _host_bandwidth() if self.offload else None
-            self.future = _submit(self.future_ds or d, self.budget, bandwidth, self.arena)
+            self.future = _submit(paths, self.budget, bandwidth, self.arena)
             self.described_at = self.steps
             self.unfollowed = 0
             # (a program with more than one path planned: a step that grew past the plan may as
@@ -380,7 +382,7 @@ class NativeBudget:
 
     def _paths(self) -> int:
         """Paths planned (the plan in use's and the others'), and those no plan can hold."""
-        return (self.plan is not None) + len(self.other_paths) + len(self.unmeetable)
+        return (self.plan is not None) + len(self.other_paths) + len(self.unmeetable_paths)
 
     def _arena_held(self) -> int:
         """The bytes of the arena the plan in use holds whole (0: none)."""
@@ -461,10 +463,10 @@ class NativeBudget:
         if isinstance(last, BudgetTooSmall) and new in planned:
             return self._outgrown_for_good(last)  # (a larger step of a path planned)
         if isinstance(last, BudgetTooSmall):  # (a path no plan can hold: its steps have the guard alone)
-            self.nothing_new = new in self.unmeetable
+            self.nothing_new = new in self.unmeetable_paths
             if self.nothing_new:
                 return "no plan for another path, known: the guard alone on it"
-            self.unmeetable.add(new)
+            self.unmeetable_paths[new] = ds[-1]
             warnings.warn(
                 f"coexec: the memory budget {format_bytes(self.budget)} of the step at {self.where} "
                 f"cannot be met on one of its paths (another branch taken, other ops than the steps "
@@ -484,6 +486,8 @@ class NativeBudget:
         while 1 + len(self.other_paths) > PATHS:  # (the oldest other goes)
             del self.other_paths[next(iter(self.other_paths))]
         kept = {in_use, *self.other_paths}
+        for path in best:
+            self.unmeetable_paths.pop(path, None)
         self.described_paths = {path: d for path, (_, d) in best.items() if path in kept}
         for path in kept:
             self.path_ids.setdefault(path, len(self.path_ids))

@@ -146,7 +146,7 @@ class Capture:
 
     def description(self) -> StepDescription:
         """The last described step."""
-        ops, nbytes, existed, fetched, released, alive = self._c.description()
+        ops, nbytes, existed, fetched, released, alive, where = self._c.description()
         described = tuple(
             DescribedOp(
                 p, name, op_id, ns * 1e-9, once, rnd, tuple(r), tuple(w), tuple(m), tuple(map(tuple, v)), ws, bwd,
@@ -155,8 +155,9 @@ class Capture:
             for p, name, op_id, ns, once, rnd, r, w, m, v, ws, bwd, after in ops
         )
         return StepDescription(
-            described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive)
-        )
+            described, tuple(nbytes), tuple(existed), frozenset(fetched), dict(released), frozenset(alive),
+            tuple(where),
+        )  # fmt: skip
 
     def trace_next(self, on: bool = True) -> None:
         """Log the next step's ops for its trace: :meth:`take_trace` after it (``on=False``: not,

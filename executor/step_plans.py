@@ -40,6 +40,9 @@ class StepDescription:
     fetched: frozenset[int]  # values Python read (numpy, printing, a realized tensor)
     released: Mapping[int, int]  # value -> ops issued when the program let go of it
     alive: frozenset[int]  # values Python held at the step's end
+    # per storage that existed before the step, a number naming it in other steps' descriptions
+    # too (its address; 0: made in the step): the state several paths read, counted once
+    state_ids: tuple[int, ...] = ()
 
 
 class Park(NamedTuple):

@@ -438,7 +438,8 @@ class Capture {
   void describe_next() { describe_next_ = true; }
 
   // The last described step: (ops, storage bytes, storages that existed before it, values Python
-  // read, (value, ops issued when the program let go of it), values alive at its end). Per op:
+  // read, (value, ops issued when the program let go of it), values alive at its end, the
+  // addresses of the storages that existed before it, 0 for the others). Per op:
   // (place, name, op id, ns, ran at once, random, storages read, written, made, (value, storage)
   // per placeholder made, bytes its kernel allocated and freed again, issued after a backward() began,
   // per storage made the allocations of its bytes the kernel made before it).
@@ -467,7 +468,7 @@ class Capture {
     }
     for (uint64_t id : alive_)
       if (id >= first) alive.append(rel(id));
-    return py::make_tuple(ops, log.nbytes, log.before, fetched, released, alive);
+    return py::make_tuple(ops, log.nbytes, log.before, fetched, released, alive, log.where);
   }
 
   using Parks = std::vector<std::tuple<std::vector<uint32_t>, int64_t, int64_t, int64_t, int64_t>>;

@@ -158,12 +158,16 @@ class StepLog {
   std::vector<LoggedOp> ops;
   std::vector<int64_t> nbytes;   // per storage
   std::vector<bool> before;      // per storage: it existed before the step
+  // per storage that existed before the step: its StorageImpl's address, which names it in other
+  // steps' logs too (a program's state, read by some of its paths; 0: made in the step)
+  std::vector<uintptr_t> where;
   std::vector<uint64_t> fetched;  // numbers of the values Python read
 
   void clear() {
     ops.clear();
     nbytes.clear();
     before.clear();
+    where.clear();
     fetched.clear();
     ids_.clear();
     held_.clear();
@@ -248,6 +252,7 @@ class StepLog {
     if (fresh) {
       nbytes.push_back(static_cast<int64_t>(t.storage().nbytes()));
       before.push_back(input);
+      where.push_back(input ? reinterpret_cast<uintptr_t>(impl) : 0);
       held_.emplace_back(t.storage().getWeakStorageImpl());
     }
     return it->second;

@@ -426,12 +426,12 @@ def _plan(eager_peak: int, planned_peak: int):
 
 def _answer(b, description, plan):
     """What the planning child answers NativeBudget ``b`` for ``description``: ``plan``, or, for
-    the described steps of the paths planned so far and the new one (a budget without an arena
-    plans its paths together, coexec.native_budget.plan_native_paths), the plans in use for the
-    paths before and ``plan`` (or its BudgetTooSmall) for the new one."""
-    if not isinstance(description, list):
+    the paths to plan together (a budget without an arena: coexec.native_budget.PathsToPlan, the
+    described steps of the paths planned so far and the new one), the plans in use for the paths
+    before and ``plan`` (or its BudgetTooSmall) for the new one."""
+    if not isinstance(description, native_budget.PathsToPlan):
         return plan
-    return [b.plan] * (len(description) - 1) + [plan]
+    return [b.plan] * (len(description.planned) - 1) + [plan]
 
 
 def test_the_plan_in_use_is_the_largest_steps_described(monkeypatch) -> None:
@@ -667,23 +667,29 @@ def test_each_branch_of_a_program_follows_its_own_plan() -> None:
     """A 3-way data-dependent branch under a budget: each branch taken is described and the
     paths are planned together (coexec/native_budget.py, ``plan_native_paths``); a step follows
     the plan of the branch it takes (``tape.stats.planned_path``), within that plan's peak and
-    the budget, bit-equal to eager throughout. (With one plan at a time, steps of the other
+    the budget (counting the parameters of the heads it did not take: each plan counts them),
+    bit-equal to eager throughout. (With one plan at a time, steps of the other
     branches followed none, and the plan was made again for whichever branch came last.)"""
+    cpu = native.wait()
     probe = _branch_state()
     tape = coexec.GradientTape(backend="native", memory_budget=10**10, key=("native budget", "branch probe"))
+    # (a step's peak: the program's state, every head's parameters, as a plan counts it, and the
+    # bytes the step made at their most)
+    state = sum(p.untyped_storage().nbytes() for p in probe["model"].parameters())
     largest = 0
     for i in range(16):
         with tape:
             _branch_step(probe, i)
-        largest = max(largest, tape.stats.peak_bytes)
+        largest = max(largest, state + cpu.cpu_bytes_made()[1])
     budget = int(0.9 * largest)  # (the largest branch recomputes; the others fit)
     eager, captured = _branch_state(), _branch_state()
     tape = coexec.GradientTape(backend="native", memory_budget=budget, key=("native budget", "branches"))
     followed: dict[int, set[int]] = {}  # planned path -> heads of the steps that followed it
     recomputed = 0  # ops made again in followed steps
+    held: list[int] = []  # what the process held in followed steps once every branch had a plan
     deadline = time.monotonic() + 120
-    i = 0
-    while len(followed) < 3:
+    i, until = 0, None
+    while until is None or i < until:
         assert time.monotonic() < deadline and i < 400, (i, followed)
         want, head = _branch_step(eager, i)
         with tape:
@@ -694,8 +700,14 @@ def test_each_branch_of_a_program_follows_its_own_plan() -> None:
             followed.setdefault(s.planned_path, set()).add(head)
             recomputed += s.recomputed_ops
             assert s.peak_bytes <= s.planned_peak_bytes <= budget, (i, s.peak_bytes, s.planned_peak_bytes)
+            if until is not None:
+                held.append(state + cpu.cpu_bytes_made()[1])
+        if until is None and len(followed) == 3:
+            until = i + 30  # (30 steps more, each path's plan counting the others' state)
         i += 1
     assert sorted(h for heads in followed.values() for h in heads) == [0, 1, 2]  # (one path per branch)
     assert recomputed > 0
+    # (the parameters of the heads a step did not take held too, as each plan counts them)
+    assert held and max(held) <= budget, (max(held), budget)
     for a, b in zip(eager["model"].parameters(), captured["model"].parameters()):
         assert torch.equal(a, b)
