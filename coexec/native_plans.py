@@ -234,8 +234,10 @@ class NativeBudget:
         # arena: the described step of each path planned, and of the plans being made
         self.joint = budget is not None and not arena
         self.described_paths: dict[tuple[int, ...], StepDescription] = {}
-        self.future_d: StepDescription | None = None
-        self.future_ds: list[StepDescription] | None = None
+        # the described steps the plans being made are for (the step just described last) and
+        # whether they are planned together
+        self.future_ds: list[StepDescription] = []
+        self.future_joint = False
         self.nothing_new = False  # the last plan taught nothing (a smaller step's, a path known unmeetable)
         self.error: BudgetTooSmall | None = None
         self.steps = 0
@@ -317,12 +319,9 @@ class NativeBudget:
         elif self.describing:
             self.unplannable = 0
             # (with a path planned, the paths are planned again together, the new one with them)
-            self.future_d = d
-            self.future_ds = None
-            paths = d
-            if self.joint and self.plan is not None:
-                self.future_ds = [*self.described_paths.values(), d]
-                paths = PathsToPlan(self.future_ds, list(self.unmeetable_paths.values()))
+            self.future_joint = self.joint and self.plan is not None
+            self.future_ds = [*self.described_paths.values(), d] if self.future_joint else [d]
+            paths = PathsToPlan(self.future_ds, list(self.unmeetable_paths.values())) if self.future_joint else d
             bandwidth = _host_bandwidth() if self.offload else None
             self.future = _submit(paths, self.budget, bandwidth, self.arena)
             self.described_at = self.steps
@@ -421,7 +420,7 @@ class NativeBudget:
         f, self.future = self.future, None
         self.growing = False
         self.nothing_new = False
-        if self.future_ds is not None:
+        if self.future_joint:
             return self._take_paths(f, self.future_ds)
         try:
             plan = f.result()
@@ -433,7 +432,7 @@ class NativeBudget:
             self.plan = plan
             self.path_ids.setdefault(plan.drops.ops, len(self.path_ids))
             if self.joint:
-                self.described_paths = {plan.drops.ops: self.future_d}
+                self.described_paths = {plan.drops.ops: self.future_ds[-1]}
         except BudgetTooSmall as e:
             if self.plan is not None:
                 return self._outgrown_for_good(e)
